@@ -1,0 +1,210 @@
+"""``accumulate``: the micro-batch loop as a higher-order transform.
+
+split -> step_fn on each micro-batch -> add into the accumulator -> boundary (finalize).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+
+from . import _reduce, _split, _state
+from ._errors import describe
+
+__all__ = ["accumulate"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def accumulate(
+    step_fn: Callable[P, R],
+    n: int,
+    *,
+    has_aux: bool = False,
+    reduction: _reduce.Reduction = "mean",
+    count: Callable[[Any], int | float | torch.Tensor] | None = None,
+    aux_reduction: Any = None,
+    argnums: int | tuple[int, ...] = 0,
+    batch_argnum: int = 1,
+    accum_dtype: torch.dtype | None = None,
+) -> Callable[P, R]:
+    """Turn a gradient function into one that accumulates over ``n`` micro-batches.
+
+    The returned function has the signature of ``step_fn``. It splits the batch argument along
+    dim 0 into ``n`` micro-batches, calls ``step_fn`` on each, adds the gradients into a
+    float32 (or wider) accumulator allocated once, and returns the window's gradient. Under the
+    default ``mean`` reduction this equals ``step_fn`` on the whole batch (within float
+    tolerance), whatever the micro-batch sizes, while peak memory is that of one micro-batch.
+
+    Args:
+        step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
+            ``-> (grads, aux)`` with ``has_aux=True``: e.g. ``torch.func.grad(loss_fn)`` or
+            ``torch.func.grad_and_value(loss_fn)``. ``grads`` must be shaped like the argument(s)
+            selected by ``argnums``.
+        n: The number of micro-batches to split each batch into. When ``n`` does not divide
+            the batch, the first micro-batches get one row more (the result stays exact). A
+            :class:`gradaccum.MicroBatches` batch is used as given, whatever ``n``.
+        has_aux: ``step_fn`` returns ``(grads, aux)``; the accumulated function then returns
+            ``(grads, aux)`` with aux combined per ``aux_reduction``.
+        reduction: ``"mean"``: ``step_fn`` returns the gradient of a mean loss; micro-batches are
+            weighted by their rows, giving the gradient of the mean over the whole batch.
+            ``"sum"``: gradients are added. ``"count"``: ``step_fn`` returns the gradient of a
+            *summed* loss and ``count(aux)`` the number of items it covers (e.g. non-padding
+            tokens); the result is sum of gradients / sum of counts, the gradient of the
+            item mean over the whole batch.
+        count: With ``reduction="count"``, a function from a micro-batch's aux to its count
+            (a number or a one-element tensor), e.g. ``lambda aux: aux[1]``.
+        aux_reduction: How each aux leaf combines over micro-batches: one of ``"mean"``
+            (weighted by rows: a per-micro-batch mean loss becomes the whole-batch mean),
+            ``"sum"``, ``"count"`` (sum divided by the total count: a summed loss becomes the
+            item mean), ``"concat"`` (along dim 0), ``"stack"`` (a new leading dim) or ``"last"``;
+            or a pytree prefix of the aux with those names at its leaves. Default: the
+            gradient ``reduction``, so a returned loss equals the whole-batch loss.
+        argnums: Which positional argument(s) the gradients are taken with respect to, as in
+            ``torch.func.grad``; used to check the gradients' tree and to allocate the
+            accumulator.
+        batch_argnum: The position of the batch argument.
+        accum_dtype: Dtype of the accumulator. Default: float32 for float16/bfloat16
+            gradients, the gradient dtype otherwise. Gradients are returned in the dtype of the
+            parameters.
+
+    Returns:
+        A function with the signature of ``step_fn`` returning the accumulated ``grads``, or
+        ``(grads, aux)`` with ``has_aux=True``.
+
+    Raises:
+        TypeError: Wrong kinds of arguments (at the call of ``accumulate``), non-tensor or
+            non-floating gradients, or a ``step_fn`` output of the wrong shape for ``has_aux``
+            (at the call of the returned function).
+        ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
+            match ``params`` (the message names the key path). Nothing is mutated.
+
+    Example:
+        >>> import torch, gradaccum
+        >>> from torch.func import grad
+        >>> def loss_fn(params, batch):
+        ...     x, y = batch
+        ...     return ((x @ params["w"] - y) ** 2).mean()
+        >>> params = {"w": torch.zeros(3, dtype=torch.float64)}
+        >>> x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
+        >>> step = gradaccum.accumulate(grad(loss_fn), n=4)
+        >>> torch.allclose(step(params, (x, y))["w"], grad(loss_fn)(params, (x, y))["w"])
+        True
+
+    See Also:
+        :class:`gradaccum.Accumulator` for loops fed one micro-batch at a time;
+        :func:`gradaccum.testing.compare` to check a step function against the whole batch.
+    """
+    name = getattr(step_fn, "__name__", None) or type(step_fn).__name__
+    where = f"accumulate({name}, n={n!r})"
+    if not callable(step_fn):
+        raise TypeError(
+            f"accumulate(step_fn, n): step_fn must be callable, got {describe(step_fn)}; pass "
+            f"a gradient function such as torch.func.grad(loss_fn)."
+        )
+    _state.check_n(where, n)
+    reduction = _reduce.check_reduction(where, reduction)
+    _state.check_accum_dtype(where, accum_dtype)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{where}: has_aux must be a bool, got {describe(has_aux)}.")
+    if reduction == "count" and (not has_aux or not callable(count)):
+        raise ValueError(
+            f"{where}: reduction='count' needs has_aux=True and count=, a function from a "
+            f"micro-batch's aux to the number of items its summed loss covers; got "
+            f"has_aux={has_aux!r}, count={describe(count) if count is not None else None}. "
+            f"Pass e.g. has_aux=True, count=lambda aux: aux['tokens']."
+        )
+    if count is not None and reduction != "count":
+        raise ValueError(
+            f"{where}: count= is used only with reduction='count', got reduction={reduction!r}; "
+            f"pass reduction='count' or drop count=."
+        )
+    if aux_reduction is not None and not has_aux:
+        raise ValueError(
+            f"{where}: aux_reduction= needs has_aux=True (step_fn returning (grads, aux)); pass "
+            f"has_aux=True or drop aux_reduction=."
+        )
+    grad_args = _check_argnums(where, argnums, batch_argnum)
+    acc = _state.Accumulator(n, reduction, accum_dtype)
+
+    def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
+        call = f"{where}(...)"
+        if len(args) <= max(batch_argnum, *grad_args):
+            raise TypeError(
+                f"{call}: expected the params at position(s) {list(grad_args)} and the batch "
+                f"at position {batch_argnum}, got {len(args)} positional argument(s); pass them "
+                f"positionally, e.g. step(params, batch)."
+            )
+        target = (
+            args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
+        )
+        state = acc.init(target)
+        micro = _split.split(call, args[batch_argnum], n)
+        aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
+        head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
+        for mb, rows in micro:
+            out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
+            if has_aux:
+                grads, aux = _unpack(call, out)
+                items = _reduce.check_count(call, count(aux)) if count is not None else None
+                alpha, weight = _state.micro_weight(call, reduction, rows, items)
+                state = _state.add_grads(call, state, grads, alpha, weight)
+                assert aux_acc is not None
+                aux_acc.add(aux, rows, items)
+            else:
+                alpha, weight = _state.micro_weight(call, reduction, rows, None)
+                state = _state.add_grads(call, state, out, alpha, weight)
+        # The boundary: the one step where synchronisation and boundary transforms plug in.
+        grads, _ = _state.finalize(call, reduction, state)
+        if aux_acc is not None:
+            return (grads, aux_acc.result())  # type: ignore[return-value]
+        return grads  # type: ignore[no-any-return]
+
+    if not torch.compiler.is_compiling():
+        accumulated = functools.wraps(step_fn)(accumulated)
+    return accumulated
+
+
+def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[int, ...]:
+    for label, value in (("batch_argnum", batch_argnum),):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(
+                f"{where}: {label} must be a non-negative int (a positional index), got "
+                f"{describe(value)}."
+            )
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        nums: tuple[int, ...] = (argnums,)
+    elif (
+        isinstance(argnums, tuple)
+        and argnums
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in argnums)
+    ):
+        nums = argnums
+    else:
+        raise TypeError(
+            f"{where}: argnums must be an int or a non-empty tuple of ints, as in "
+            f"torch.func.grad, got {describe(argnums)}."
+        )
+    if any(i < 0 for i in nums):
+        raise ValueError(f"{where}: argnums must be non-negative, got {argnums!r}.")
+    if batch_argnum in nums:
+        raise ValueError(
+            f"{where}: batch_argnum={batch_argnum} is also in argnums={argnums!r}; the batch is "
+            f"split, not differentiated. Pass the position of the batch as batch_argnum."
+        )
+    return nums
+
+
+def _unpack(call: str, out: Any) -> tuple[Any, Any]:
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(
+            f"{call}: with has_aux=True, step_fn must return a pair (grads, aux), got "
+            f"{describe(out)}"
+            f"{' of length ' + str(len(out)) if isinstance(out, (tuple, list)) else ''}; return "
+            f"(grads, aux), as torch.func.grad_and_value does, or pass has_aux=False."
+        )
+    return out[0], out[1]

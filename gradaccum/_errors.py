@@ -1,0 +1,42 @@
+"""Error types and message builders.
+
+Every message starts with the call shape, says what was expected and what came, and ends with
+the fix (see STYLE.md). Builtin ``TypeError``/``ValueError`` are used for wrong kinds and values;
+:class:`GradAccumError` for mismatches between processes and saved state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["GradAccumError", "describe"]
+
+
+class GradAccumError(RuntimeError):
+    """Raised when gradaccum detects inconsistent state it cannot repair.
+
+    Examples are a saved accumulator state that does not match the parameters it is loaded for,
+    or (in data-parallel training) processes that disagree on the gradient tree.
+
+    Example:
+        >>> import gradaccum
+        >>> issubclass(gradaccum.GradAccumError, RuntimeError)
+        True
+    """
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for error messages: type, and shape/dtype for tensors."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"Tensor(shape={tuple(value.shape)}, dtype={dtype})"
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return f"{type(value).__name__} {value!r}"
+    return type(value).__name__
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``'float32'``."""
+    return str(dtype).removeprefix("torch.")

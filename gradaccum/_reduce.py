@@ -1,0 +1,214 @@
+"""Reductions: how micro-batch gradients and aux outputs combine into the window's result.
+
+A micro-batch ``i`` contributes ``alpha_i * g_i`` to the running sum and ``w_i`` to the running
+weight; at the boundary the sum is divided by the total weight (or not, for ``sum``):
+
+============  =======================  ==========  =============================
+reduction     step_fn returns          alpha_i     result
+============  =======================  ==========  =============================
+``mean``      grad of the mean loss    rows_i      sum(rows_i g_i) / sum(rows_i)
+``sum``       grad of any loss         1           sum(g_i)
+``count``     grad of a summed loss    1           sum(g_i) / sum(count_i)
+============  =======================  ==========  =============================
+
+Each row is the gradient over the whole batch, however it is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Number
+from typing import Any, Literal, cast
+
+import torch
+
+from . import _tree
+from ._errors import describe
+
+__all__ = ["AUX_REDUCTIONS", "REDUCTIONS", "AuxAccumulator", "Reduction", "check_reduction"]
+
+Reduction = Literal["mean", "sum", "count"]
+"""How gradients of the micro-batches combine: ``"mean"``, ``"sum"`` or ``"count"``."""
+
+AuxReduction = Literal["mean", "sum", "count", "concat", "stack", "last"]
+"""How one aux leaf combines over micro-batches."""
+
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "count")
+AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "count", "concat", "stack", "last")
+
+Weight = int | float | torch.Tensor
+
+
+def check_reduction(where: str, reduction: object) -> Reduction:
+    """Validate the ``reduction`` keyword."""
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(
+            f"{where}: reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got "
+            f"{describe(reduction)}; use 'mean' when step_fn returns the gradient of a mean loss, "
+            f"'sum' to add gradients as they come, 'count' for a summed loss normalised by a "
+            f"count that step_fn returns in its aux."
+        )
+    return cast(Reduction, reduction)
+
+
+def check_count(where: str, count: object) -> Weight:
+    """Validate one micro-batch's count (a number or a one-element real tensor), detached."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+            raise TypeError(
+                f"{where}: the count must be a number or a one-element real tensor, got "
+                f"{describe(count)}; return the number of items the summed loss covers, e.g. "
+                f"(labels != pad_id).sum()."
+            )
+        return count.detach().reshape(())
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise TypeError(
+            f"{where}: the count must be a number or a one-element real tensor, got "
+            f"{describe(count)}; return the number of items the summed loss covers, e.g. "
+            f"(labels != pad_id).sum()."
+        )
+    if count < 0:
+        raise ValueError(
+            f"{where}: the count must be >= 0, got {count!r}; return the number of items the "
+            f"summed loss covers."
+        )
+    return count
+
+
+class AuxAccumulator:
+    """Combine aux pytrees over micro-batches, leaf by leaf.
+
+    ``spec`` is ``None`` (each leaf follows the gradient ``reduction``), one of
+    :data:`AUX_REDUCTIONS`, or a pytree prefix of the aux whose leaves are those names.
+    """
+
+    __slots__ = (
+        "_acc",
+        "_count_total",
+        "_kinds",
+        "_paths",
+        "_reduction",
+        "_size_total",
+        "_spec",
+        "_treespec",
+        "_where",
+    )
+
+    def __init__(self, where: str, spec: Any, reduction: Reduction) -> None:
+        self._where = where
+        self._spec = reduction if spec is None else spec
+        self._reduction = reduction
+        self._kinds: list[str] | None = None
+        self._acc: list[Any] = []
+        self._treespec: _tree.PyTreeSpec | None = None
+        self._paths: list[str] = []
+        self._size_total: Weight = 0
+        self._count_total: Weight = 0
+
+    def _start(self, aux: Any) -> None:
+        self._paths, _, self._treespec = _tree.flatten_with_paths(aux)
+        try:
+            kinds = _tree.broadcast_prefix(self._spec, aux)
+        except ValueError as e:
+            raise ValueError(
+                f"{self._where}: aux_reduction {self._spec!r} is not a prefix of the aux tree "
+                f"{self._treespec} ({e}); pass one name for all leaves, or a tree shaped like "
+                f"the aux (or a prefix of it) whose leaves are names."
+            ) from None
+        for path, kind in zip(self._paths, kinds):
+            if not isinstance(kind, str) or kind not in AUX_REDUCTIONS:
+                raise ValueError(
+                    f"{self._where}: aux_reduction for aux leaf {path} must be one of "
+                    f"{', '.join(map(repr, AUX_REDUCTIONS))}, got {describe(kind)}."
+                )
+            if kind == "count" and self._reduction != "count":
+                raise ValueError(
+                    f"{self._where}: aux_reduction 'count' for aux leaf {path} needs "
+                    f"reduction='count' (there is no count to divide by); use 'mean' or 'sum'."
+                )
+        self._kinds = kinds
+
+    def add(self, aux: Any, size: int, count: Weight | None) -> None:
+        """Fold one micro-batch's aux in: ``size`` rows, ``count`` (for ``count``) items."""
+        if self._kinds is None:
+            self._start(aux)
+        leaves, treespec = _tree.flatten(aux)
+        if treespec != self._treespec:
+            raise ValueError(
+                f"{self._where}: step_fn returned an aux tree {treespec} on this micro-batch "
+                f"but {self._treespec} on the first one; return the same aux structure for "
+                f"every micro-batch."
+            )
+        kinds = cast(list[str], self._kinds)
+        first = not self._acc
+        for i, (kind, leaf) in enumerate(zip(kinds, leaves)):
+            if isinstance(leaf, torch.Tensor):
+                leaf = leaf.detach()
+            elif kind in ("mean", "sum", "count") and not isinstance(leaf, Number):
+                raise TypeError(
+                    f"{self._where}: aux leaf {self._paths[i]} is {describe(leaf)}, which "
+                    f"aux_reduction {kind!r} cannot add; return a tensor or a number there, or "
+                    f"use aux_reduction 'last' for that leaf."
+                )
+            if kind == "mean":
+                value: Any = leaf * size
+            elif kind in ("sum", "count"):
+                value = leaf
+            elif kind in ("concat", "stack"):
+                value = [leaf]
+            else:  # last
+                value = leaf
+            if first:
+                self._acc.append(value)
+            elif kind in ("mean", "sum", "count"):
+                self._acc[i] = self._acc[i] + value
+            elif kind in ("concat", "stack"):
+                self._acc[i].append(leaf)
+            else:
+                self._acc[i] = value
+        self._size_total = self._size_total + size
+        if count is not None:
+            self._count_total = self._count_total + count
+
+    def result(self) -> Any:
+        """The combined aux pytree."""
+        assert self._treespec is not None
+        assert self._kinds is not None
+        out = []
+        for kind, value in zip(self._kinds, self._acc):
+            if kind == "mean":
+                value = value / self._size_total
+            elif kind == "count":
+                value = value / self._count_total
+            elif kind in ("concat", "stack"):
+                value = _join(kind, cast(Sequence[Any], value))
+            out.append(value)
+        return _tree.unflatten(self._treespec, out)
+
+
+def _join(kind: str, values: Sequence[Any]) -> torch.Tensor:
+    tensors = [torch.as_tensor(v) for v in values]
+    if kind == "stack" or tensors[0].dim() == 0:
+        return torch.stack(tensors)
+    return torch.cat(tensors)
+
+
+def first_add(
+    grads: list[torch.Tensor], dtypes: Sequence[torch.dtype], alpha: int
+) -> list[torch.Tensor]:
+    """New buffers: ``alpha * grads`` in ``dtypes`` (one copy, no memset). Call under no_grad."""
+    sums = [g.to(d, copy=True) for g, d in zip(grads, dtypes)]
+    if alpha != 1:
+        torch._foreach_mul_(sums, alpha)
+    return sums
+
+
+def add_into(sums: list[torch.Tensor], grads: list[torch.Tensor], alpha: int) -> None:
+    """``sums += alpha * grads`` in place, one fused call; call under no_grad."""
+    torch._foreach_add_(sums, grads, alpha=alpha)
+
+
+def normalise(reduction: Reduction, sums: list[torch.Tensor], weight: Weight) -> None:
+    """Divide by the total weight in place (``mean``, ``count``); ``sum`` is left as it is."""
+    if reduction != "sum":
+        torch._foreach_div_(sums, weight)

@@ -1,0 +1,147 @@
+"""Split a batch pytree into micro-batches along dim 0.
+
+An even split uses einops (``(n b) ... -> n b ...``) and yields views, no copies. When ``n`` does
+not divide the batch, the first ``B % n`` micro-batches get one extra row (as
+``numpy.array_split``); the reductions weight every micro-batch by its real size, so the result is
+still exact. Tensor leaves are split; every other leaf (an int, a string, a flag) is passed
+unchanged to every micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import einops
+import torch
+
+from . import _tree
+from ._errors import describe
+
+__all__ = ["MicroBatches", "split"]
+
+B = TypeVar("B")
+
+
+class MicroBatches(Generic[B]):
+    """Micro-batches already split by the caller, of any sizes.
+
+    Pass it where :func:`gradaccum.accumulate` expects the batch to choose the split yourself,
+    for example micro-batches of different lengths from a bucketing sampler. The accumulated
+    function then runs one micro-batch per element, whatever its ``n``; the ``mean`` reduction
+    weights each micro-batch by its number of rows, so the result is the gradient of the mean
+    loss over all the rows.
+
+    Args:
+        batches: A non-empty sequence of batch pytrees, each with at least one tensor leaf and
+            all tensor leaves of one micro-batch sharing their size along dim 0.
+
+    Example:
+        >>> import torch, gradaccum
+        >>> mbs = gradaccum.MicroBatches([torch.ones(3, 2), torch.ones(5, 2)])
+        >>> len(mbs), [mb.shape[0] for mb in mbs]
+        (2, [3, 5])
+    """
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches: Sequence[B]) -> None:
+        if isinstance(batches, (torch.Tensor, dict)) or not isinstance(batches, Sequence):
+            raise TypeError(
+                f"MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
+                f"{describe(batches)}; wrap your micro-batches in a list: "
+                f"MicroBatches([mb0, mb1, ...])."
+            )
+        if len(batches) == 0:
+            raise ValueError(
+                "MicroBatches(batches): expected at least one micro-batch, got an empty "
+                "sequence; pass MicroBatches([mb0, ...]) with one or more micro-batches."
+            )
+        self._batches = tuple(batches)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[B]:
+        return iter(self._batches)
+
+    def __getitem__(self, i: int) -> B:
+        return self._batches[i]
+
+    def __repr__(self) -> str:
+        return f"MicroBatches(<{len(self._batches)} micro-batches>)"
+
+
+def _rows(where: str, batch: Any, fix: str) -> tuple[list[str], list[Any], Any, int]:
+    """Flatten ``batch`` and return (paths, leaves, spec, rows along dim 0), validating it."""
+    paths, leaves, spec = _tree.flatten_with_paths(batch)
+    rows: int | None = None
+    first_path = ""
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if leaf.dim() == 0:
+            raise ValueError(
+                f"{where}: batch leaf {path} is a 0-dim tensor, which has no dim 0 to split "
+                f"along; give it a leading batch dimension (x.unsqueeze(0)) or pass it through "
+                f"another argument of step_fn."
+            )
+        if rows is None:
+            rows, first_path = leaf.shape[0], path
+        elif leaf.shape[0] != rows:
+            raise ValueError(
+                f"{where}: batch leaves disagree on their size along dim 0: {first_path} has "
+                f"{rows} rows but {path} has {leaf.shape[0]}; every tensor in a batch must "
+                f"have the same number of rows. {fix}"
+            )
+    if rows is None:
+        got = describe(batch) if not leaves else "leaves " + ", ".join(map(describe, leaves))
+        raise ValueError(
+            f"{where}: expected a batch pytree with at least one tensor leaf, got {got}"
+            f"; pass the batch tensors (e.g. (x, y) or {{'x': x, 'y': y}}) as this argument."
+        )
+    return paths, leaves, spec, rows
+
+
+def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
+    """Split ``batch`` into micro-batches; return ``[(micro_batch, rows), ...]``.
+
+    ``batch`` may be a :class:`MicroBatches`, which is validated and used as given.
+    """
+    if isinstance(batch, MicroBatches):
+        out = []
+        for i, mb in enumerate(batch):
+            _, _, _, rows = _rows(f"{where} micro-batch {i}", mb, "")
+            if rows == 0:
+                raise ValueError(
+                    f"{where}: micro-batch {i} of the MicroBatches has 0 rows; a micro-batch "
+                    f"needs at least one row. Drop empty micro-batches before passing them."
+                )
+            out.append((mb, rows))
+        return out
+
+    _, leaves, spec, rows = _rows(where, batch, "")
+    if n > rows:
+        raise ValueError(
+            f"{where}: n={n} micro-batches is more than the {rows} rows of the batch, so some "
+            f"micro-batches would be empty; pass n <= {rows}, or a larger batch."
+        )
+    if rows % n == 0:
+        parts = [
+            einops.rearrange(x, "(n b) ... -> n b ...", n=n).unbind(0)
+            if isinstance(x, torch.Tensor)
+            else None
+            for x in leaves
+        ]
+        sizes = [rows // n] * n
+    else:
+        small, extra = divmod(rows, n)
+        sizes = [small + 1] * extra + [small] * (n - extra)
+        parts = [torch.split(x, sizes) if isinstance(x, torch.Tensor) else None for x in leaves]
+    return [
+        (
+            _tree.unflatten(spec, [p[i] if p is not None else x for p, x in zip(parts, leaves)]),
+            sizes[i],
+        )
+        for i in range(n)
+    ]

@@ -1,0 +1,439 @@
+"""Streaming accumulation: pure functions over an accumulator-state pytree.
+
+For loops that are fed one micro-batch at a time (a DataLoader of micro-batches), in the manner of
+optax's ``MultiSteps``: the micro-step counter and the running sums live in the state, so a
+checkpoint taken mid-window resumes exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import torch
+
+from . import _reduce, _tree
+from ._errors import GradAccumError, describe, dtype_name
+
+__all__ = ["AccumState", "Accumulator"]
+
+T = TypeVar("T")
+
+_FORMAT = "gradaccum.AccumState/1"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Static description of the gradient tree: structure, key paths, shapes, dtypes, devices."""
+
+    spec: _tree.PyTreeSpec
+    paths: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    accum_dtypes: tuple[torch.dtype, ...]
+    devices: tuple[torch.device, ...]
+
+
+class AccumState(NamedTuple, Generic[T]):
+    """The state of a streaming accumulation window (a pytree; see :class:`Accumulator`).
+
+    Attributes:
+        sums: The running weighted sums of the window's gradients, one tensor per gradient leaf
+            in the accumulation dtype, or ``None`` before the window's first micro-batch.
+        weight: The total weight added in this window: rows (``mean``, ``sum``) or counts
+            (``count``); a number, or a 0-dim tensor when counts are tensors.
+        micro_step: How many micro-batches this window holds so far.
+        window: How many windows were finalized before this one.
+        layout: Static description of the gradient tree (structure, shapes, dtypes).
+    """
+
+    sums: T | None
+    weight: int | float | torch.Tensor
+    micro_step: int
+    window: int
+    layout: Any
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """Streaming gradient accumulation over a window of ``n`` micro-batches.
+
+    The configuration is held here; the window lives in an :class:`AccumState` that the methods
+    take and return (optax-style). Use it when micro-batches come one at a time, for example from
+    a DataLoader of micro-batches; :func:`gradaccum.accumulate` uses it for whole batches.
+
+    The result of :meth:`finalize` equals the gradient over all the window's rows (``mean``), their
+    plain sum (``sum``) or the gradient of the summed loss divided by the summed counts
+    (``count``), whatever the micro-batch sizes. A short last window (call :meth:`finalize`
+    before :meth:`is_complete`) is weighted exactly by what it holds.
+
+    The running sums are updated in place: after ``add(state, ...)`` and ``finalize(state)``,
+    use only the state they return.
+
+    Args:
+        n: Micro-batches per window: a positive int, or a schedule ``window_index -> int``
+            (evaluated when a window starts; ``window_index`` counts finalized windows).
+        reduction: ``"mean"`` (default; ``add`` takes ``size=``), ``"sum"``, or ``"count"``
+            (``add`` takes ``count=``).
+        accum_dtype: The dtype of the running sums. Default: float32 for float16/bfloat16
+            gradients, the gradient dtype otherwise. Gradients come out of :meth:`finalize` in
+            the parameters' dtype.
+
+    Example:
+        >>> import torch, gradaccum
+        >>> acc = gradaccum.Accumulator(n=2)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = acc.init(params)
+        >>> state = acc.add(state, {"w": torch.tensor([1.0, 2.0])}, size=3)
+        >>> acc.is_complete(state)
+        False
+        >>> state = acc.add(state, {"w": torch.tensor([5.0, 6.0])}, size=1)
+        >>> acc.is_complete(state)
+        True
+        >>> grads, state = acc.finalize(state)
+        >>> grads["w"]  # (3 * [1, 2] + 1 * [5, 6]) / 4
+        tensor([2., 3.])
+    """
+
+    n: int | Callable[[int], int]
+    reduction: _reduce.Reduction = "mean"
+    accum_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        where = f"Accumulator(n={self.n!r})"
+        if not callable(self.n):
+            check_n(where, self.n)
+        _reduce.check_reduction(where, self.reduction)
+        check_accum_dtype(where, self.accum_dtype)
+
+    # -- the window ---------------------------------------------------------------------------
+
+    def init(self, params: T) -> AccumState[T]:
+        """An empty window for gradients shaped like ``params`` (nothing is allocated yet).
+
+        Args:
+            params: The pytree of floating tensors the gradients are taken with respect to.
+
+        Returns:
+            An :class:`AccumState` with no micro-batch in it.
+        """
+        return AccumState(
+            None, 0, 0, 0, make_layout("Accumulator.init(params)", params, self.accum_dtype)
+        )
+
+    def window_size(self, state: AccumState[T]) -> int:
+        """The number of micro-batches of the current window (evaluates a schedule)."""
+        if not callable(self.n):
+            return self.n
+        n = self.n(state.window)
+        check_n(f"Accumulator(n=<schedule>): the schedule's value for window {state.window}", n)
+        return n
+
+    def is_complete(self, state: AccumState[T]) -> bool:
+        """Whether the window holds its ``n`` micro-batches: time to :meth:`finalize`."""
+        return state.micro_step >= self.window_size(state)
+
+    def add(
+        self,
+        state: AccumState[T],
+        grads: T,
+        *,
+        size: int | None = None,
+        count: int | float | torch.Tensor | None = None,
+    ) -> AccumState[T]:
+        """Add one micro-batch's gradients to the window.
+
+        Args:
+            state: The current state (its running sums are updated in place).
+            grads: The micro-batch's gradients, a pytree shaped like the ``params`` of
+                :meth:`init`.
+            size: The micro-batch's number of rows; required for ``reduction="mean"``.
+            count: The number of items the micro-batch's summed loss covers (e.g. non-padding
+                tokens); required for ``reduction="count"``.
+
+        Returns:
+            The new state.
+
+        Raises:
+            TypeError: A gradient leaf is not a floating tensor, or ``size``/``count`` has the
+                wrong type.
+            ValueError: ``grads`` does not match ``params`` (the message names the key path), or
+                ``size``/``count`` is missing or out of range.
+        """
+        where = "Accumulator.add(state, grads)"
+        alpha, weight = micro_weight(where, self.reduction, size, count)
+        return add_grads(where, state, grads, alpha, weight)
+
+    def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
+        """Close the window: return its gradients and a fresh state for the next window.
+
+        This is the accumulation boundary. The gradients are in the parameters' dtypes and
+        equal the whole-window gradient under the configured reduction.
+
+        Raises:
+            ValueError: The window holds no micro-batch.
+        """
+        return finalize(f"Accumulator(n={self.n!r}).finalize(state)", self.reduction, state)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self, state: AccumState[T]) -> dict[str, Any]:
+        """The state as a dict of tensors, numbers and strings.
+
+        It is safe to ``torch.save`` and to ``torch.load(..., weights_only=True)``, mid-window
+        included.
+        """
+        lay: _Layout = state.layout
+        return {
+            "format": _FORMAT,
+            "reduction": self.reduction,
+            "paths": list(lay.paths),
+            "shapes": [list(s) for s in lay.shapes],
+            "dtypes": [dtype_name(d) for d in lay.dtypes],
+            "accum_dtypes": [dtype_name(d) for d in lay.accum_dtypes],
+            "sums": None if state.sums is None else list(_tree.flatten(state.sums)[0]),
+            "weight": state.weight,
+            "micro_step": state.micro_step,
+            "window": state.window,
+        }
+
+    def load_state_dict(self, state: AccumState[T], state_dict: dict[str, Any]) -> AccumState[T]:
+        """Restore a state saved by :meth:`state_dict`; resuming is bit-identical.
+
+        Args:
+            state: A state for the current params (from :meth:`init`); it supplies the tree
+                structure and devices, and is not modified.
+            state_dict: What :meth:`state_dict` returned.
+
+        Returns:
+            The restored state.
+
+        Raises:
+            GradAccumError: The saved state is for a different gradient tree (key paths, shapes
+                or dtypes differ; the message names the first difference) or reduction.
+        """
+        return load(self.reduction, state, state_dict)
+
+
+# -- the mechanism, shared with accumulate ------------------------------------------------------
+
+
+def check_n(where: str, n: object) -> int:
+    """Validate a number of micro-batches."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(
+            f"{where}: n must be a positive int (the number of micro-batches), got "
+            f"{describe(n)}; pass e.g. n=4."
+        )
+    if n < 1:
+        raise ValueError(
+            f"{where}: n must be a positive int (the number of micro-batches), got {n}; pass "
+            f"n >= 1 (n=1 computes the whole batch in one micro-batch)."
+        )
+    return n
+
+
+def check_accum_dtype(where: str, dtype: object) -> None:
+    """Validate ``accum_dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"{where}: accum_dtype must be None or a floating torch.dtype, got {describe(dtype)}; "
+            f"pass e.g. accum_dtype=torch.float32."
+        )
+
+
+def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> _Layout:
+    """Describe the gradient tree from ``params``, validating that its leaves are float tensors."""
+    paths, leaves, spec = _tree.flatten_with_paths(params)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{where}: params leaf {path} is {describe(leaf)}; every params leaf must be a "
+                f"floating tensor. Move non-tensor values out of the params pytree."
+            )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"{where}: params leaf {path} has dtype {dtype_name(leaf.dtype)}; gradients exist "
+                f"only for floating tensors. Move it out of the params pytree (into buffers, or "
+                f"another argument of step_fn)."
+            )
+    dtypes = tuple(x.dtype for x in leaves)
+    if accum_dtype is not None:
+        accum = tuple(accum_dtype for _ in dtypes)
+    else:
+        accum = tuple(torch.float32 if d in _LOW_PRECISION else d for d in dtypes)
+    return _Layout(
+        spec=spec,
+        paths=tuple(paths),
+        shapes=tuple(x.shape for x in leaves),
+        dtypes=dtypes,
+        accum_dtypes=accum,
+        devices=tuple(x.device for x in leaves),
+    )
+
+
+def micro_weight(
+    where: str,
+    reduction: _reduce.Reduction,
+    size: int | None,
+    count: int | float | torch.Tensor | None,
+) -> tuple[int, _reduce.Weight]:
+    """``(alpha, weight)`` of one micro-batch: its gradient is scaled by alpha, adds weight."""
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(
+            f"{where}: size must be the micro-batch's number of rows, a positive int, got "
+            f"{describe(size)}; pass size=len(micro_batch)."
+        )
+    if reduction == "mean":
+        if size is None:
+            raise ValueError(
+                f"{where}: reduction='mean' needs size=, the micro-batch's number of rows, to "
+                f"weight it exactly; pass size=len(micro_batch)."
+            )
+        return size, size
+    if reduction == "count":
+        if count is None:
+            raise ValueError(
+                f"{where}: reduction='count' needs count=, the number of items the micro-batch's "
+                f"summed loss covers; pass e.g. count=(labels != pad_id).sum()."
+            )
+        return 1, _reduce.check_count(where, count)
+    return 1, size if size is not None else 1
+
+
+def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
+    """Flatten ``grads`` and check it against the layout; the message names the key path."""
+    leaves, spec = _tree.flatten(grads)
+    if spec == lay.spec:
+        # Fast path: one tuple comparison each for shapes and dtypes (no per-leaf branching).
+        try:
+            if tuple(g.shape for g in leaves) == lay.shapes and all(
+                g.is_floating_point() for g in leaves
+            ):
+                return leaves
+        except AttributeError:
+            pass
+    else:
+        expected = _tree.unflatten(lay.spec, [0] * lay.spec.num_leaves)
+        got = _tree.map_(lambda _: 0, grads)
+        raise ValueError(
+            f"{where}: the gradients do not match the params tree "
+            f"{_tree.first_difference(expected, got)}; step_fn must return one gradient per "
+            f"params leaf, in a tree of the same structure (as torch.func.grad does)."
+        )
+    for path, g, shape in zip(lay.paths, leaves, lay.shapes):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(
+                f"{where}: gradient leaf {path} is {describe(g)}, expected a tensor of shape "
+                f"{tuple(shape)}; step_fn must return tensors (as torch.func.grad does)."
+            )
+        if not g.is_floating_point():
+            raise TypeError(
+                f"{where}: gradient leaf {path} has dtype {dtype_name(g.dtype)}; gradients must "
+                f"be real floating tensors (integer and complex gradients are not supported). "
+                f"Check that step_fn returns gradients, not inputs or indices."
+            )
+        if g.shape != shape:
+            raise ValueError(
+                f"{where}: gradient leaf {path} has shape {tuple(g.shape)} but the params leaf "
+                f"has shape {tuple(shape)}; step_fn must return gradients shaped like params "
+                f"(per-sample gradients must be reduced inside step_fn)."
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def add_grads(
+    where: str, state: AccumState[T], grads: T, alpha: int, weight: _reduce.Weight
+) -> AccumState[T]:
+    """Validate, then add ``alpha * grads`` into the running sums (allocated on first use)."""
+    lay: _Layout = state.layout
+    leaves = _check_grads(where, lay, grads)
+    with torch.no_grad():
+        if state.sums is None:
+            sums = _tree.unflatten(lay.spec, _reduce.first_add(leaves, lay.accum_dtypes, alpha))
+        else:
+            sums = state.sums
+            _reduce.add_into(_tree.flatten(sums)[0], leaves, alpha)
+    return AccumState(sums, state.weight + weight, state.micro_step + 1, state.window, lay)
+
+
+def finalize(
+    where: str, reduction: _reduce.Reduction, state: AccumState[T]
+) -> tuple[T, AccumState[T]]:
+    """The boundary: normalise the running sums, cast to the params dtypes, start a new window.
+
+    This is the one place where a cross-process collective and boundary transforms plug in.
+    """
+    if state.sums is None:
+        raise ValueError(
+            f"{where}: the window holds no micro-batch, so there is no gradient to return; "
+            f"call add() at least once before finalize()."
+        )
+    lay: _Layout = state.layout
+    sums = _tree.flatten(state.sums)[0]
+    with torch.no_grad():
+        _reduce.normalise(reduction, sums, state.weight)
+        out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
+    return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
+
+
+def load(reduction: str, state: AccumState[T], sd: dict[str, Any]) -> AccumState[T]:
+    """Validate ``sd`` completely against ``state``'s layout, then build the restored state."""
+    where = "Accumulator.load_state_dict(state, state_dict)"
+    lay: _Layout = state.layout
+    if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
+        raise GradAccumError(
+            f"{where}: expected a dict saved by Accumulator.state_dict (format {_FORMAT!r}), got "
+            f"{describe(sd) if not isinstance(sd, dict) else 'format ' + repr(sd.get('format'))}"
+            f"; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
+        )
+    if sd["reduction"] != reduction:
+        raise GradAccumError(
+            f"{where}: the state was saved with reduction={sd['reduction']!r} but this "
+            f"Accumulator has reduction={reduction!r}; load it into an Accumulator with the same "
+            f"reduction."
+        )
+    saved_paths, paths = list(sd["paths"]), list(lay.paths)
+    if saved_paths != paths:
+        missing = [p for p in paths if p not in saved_paths]
+        extra = [p for p in saved_paths if p not in paths]
+        detail = (
+            (f"params leaves {missing} are not in the saved state" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"saved leaves {extra} are not in the params" if extra else "")
+        )
+        raise GradAccumError(
+            f"{where}: the saved state is for a different params tree: "
+            f"{detail or 'the leaves are in a different order'}; load it for the same params "
+            f"it was saved with."
+        )
+    sums = sd["sums"]
+    for i, path in enumerate(paths):
+        want_shape, want_dtype = list(lay.shapes[i]), dtype_name(lay.dtypes[i])
+        if list(sd["shapes"][i]) != want_shape or sd["dtypes"][i] != want_dtype:
+            raise GradAccumError(
+                f"{where}: params leaf {path} is shape {want_shape} {want_dtype} but the state "
+                f"was saved for shape {list(sd['shapes'][i])} {sd['dtypes'][i]}; load it for the "
+                f"same params it was saved with."
+            )
+        if sums is not None and (
+            not isinstance(sums[i], torch.Tensor)
+            or list(sums[i].shape) != want_shape
+            or sums[i].dtype != lay.accum_dtypes[i]
+        ):
+            raise GradAccumError(
+                f"{where}: saved running sum for {path} is {describe(sums[i])}, expected shape "
+                f"{want_shape} {dtype_name(lay.accum_dtypes[i])} (the accumulation dtype); save "
+                f"and load with the same accum_dtype."
+            )
+    restored = None
+    if sums is not None:
+        restored = _tree.unflatten(
+            lay.spec, [s.to(dev, copy=True) for s, dev in zip(sums, lay.devices)]
+        )
+    weight = sd["weight"]
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
+    return AccumState(restored, weight, int(sd["micro_step"]), int(sd["window"]), lay)

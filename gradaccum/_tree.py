@@ -1,0 +1,98 @@
+"""The only module that talks to optree.
+
+Pytrees here follow optree's defaults: ``None`` is an empty node, dict keys are sorted, so the
+flat order of leaves is the same whatever the dict insertion order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+from optree import PyTreeSpec
+
+__all__ = [
+    "PyTreeSpec",
+    "broadcast_prefix",
+    "first_difference",
+    "flatten",
+    "flatten_with_paths",
+    "keystr",
+    "map_",
+    "unflatten",
+]
+
+
+def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Leaves in optree's canonical order, and the tree structure."""
+    return optree.tree_flatten(tree)
+
+
+def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def map_(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``optree.tree_map``."""
+    return optree.tree_map(fn, tree, *rest)
+
+
+def keystr(path: tuple[Any, ...]) -> str:
+    """A key path as the user would index it: ``['layer']['weight']``; the root is ``<root>``."""
+    if not path:
+        return "<root>"
+    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path)
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], PyTreeSpec]:
+    """Key-path strings, leaves and structure, in the canonical flat order."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    return [keystr(p) for p in paths], leaves, spec
+
+
+def first_difference(expected: Any, got: Any) -> str:
+    """Say where two trees first differ in structure, with the key path.
+
+    Returns a sentence fragment such as ``"at ['b']: expected a dict with keys ['x', 'y'], got
+    a dict with keys ['x']"``.
+    """
+
+    def node_desc(node: Any) -> str:
+        if isinstance(node, dict):
+            return f"a dict with keys {sorted(node, key=repr)}"
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return f"a {type(node).__name__} with fields {list(node._fields)}"
+        if isinstance(node, (list, tuple)):
+            return f"a {type(node).__name__} of length {len(node)}"
+        if optree.treespec_is_leaf(optree.tree_structure(node)):
+            return "a leaf"
+        return f"a {type(node).__name__}"
+
+    def walk(a: Any, b: Any, path: tuple[Any, ...]) -> str | None:
+        sa, sb = optree.tree_structure(a), optree.tree_structure(b)
+        if sa == sb:
+            return None
+        a_leaf, b_leaf = optree.treespec_is_leaf(sa), optree.treespec_is_leaf(sb)
+        if a_leaf or b_leaf or type(a) is not type(b):
+            return f"at {keystr(path)}: expected {node_desc(a)}, got {node_desc(b)}"
+        one_a, one_b = optree.tree_flatten_one_level(a), optree.tree_flatten_one_level(b)
+        ca, ea, cb, eb = one_a.children, one_a.entries, one_b.children, one_b.entries
+        if tuple(ea) != tuple(eb):
+            return f"at {keystr(path)}: expected {node_desc(a)}, got {node_desc(b)}"
+        for key, x, y in zip(ea, ca, cb):
+            found = walk(x, y, (*path, key))
+            if found is not None:
+                return found
+        return f"at {keystr(path)}: expected {node_desc(a)}, got {node_desc(b)}"
+
+    return walk(expected, got, ()) or "in structure"
+
+
+def broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
+    """Expand ``prefix`` (a tree that is a prefix of ``tree``) to one value per leaf of ``tree``.
+
+    Raises ``ValueError`` with optree's explanation when ``prefix`` is not a prefix of ``tree``.
+    """
+    return optree.broadcast_prefix(prefix, tree)

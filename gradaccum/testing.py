@@ -1,0 +1,216 @@
+"""Check your own step function: accumulated gradient against the whole-batch gradient.
+
+``compare`` runs ``accumulate(step_fn, n)`` and ``step_fn`` on the whole batch and reports the
+worst leaf by key path, at tolerances chosen from the dtype. ``assert_equivalent`` raises when
+they differ. ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
+
+Things that make the two differ, on purpose: BatchNorm (statistics per micro-batch), dropout
+(different random draws), losses normalised per micro-batch (use ``reduction="count"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _tree
+from ._accumulate import accumulate
+from ._errors import dtype_name
+
+__all__ = ["Comparison", "LeafDiff", "assert_equivalent", "assert_finite", "compare", "nonfinite"]
+
+# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|, per leaf.
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.bfloat16: (2e-2, 1e-3),
+    torch.float16: (5e-3, 1e-4),
+}
+
+
+@dataclass(frozen=True)
+class LeafDiff:
+    """How one gradient leaf differs: key path, dtype, max absolute error, scale, verdict."""
+
+    path: str
+    dtype: torch.dtype
+    max_abs_err: float
+    scale: float
+    rtol: float
+    atol: float
+
+    @property
+    def rel_err(self) -> float:
+        """``max_abs_err / max|reference|`` (0 when both are 0)."""
+        return (
+            self.max_abs_err / self.scale
+            if self.scale
+            else (0.0 if not self.max_abs_err else float("inf"))
+        )
+
+    @property
+    def ok(self) -> bool:
+        """Within ``atol + rtol * max|reference|``."""
+        return self.max_abs_err <= self.atol + self.rtol * self.scale
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of :func:`compare`: one :class:`LeafDiff` per gradient leaf."""
+
+    leaves: tuple[LeafDiff, ...]
+    n: int
+
+    @property
+    def ok(self) -> bool:
+        """Every leaf is within tolerance."""
+        return all(leaf.ok for leaf in self.leaves)
+
+    @property
+    def worst(self) -> LeafDiff:
+        """The leaf with the largest error relative to its tolerance."""
+        return max(self.leaves, key=lambda d: d.max_abs_err / (d.atol + d.rtol * d.scale))
+
+    def __str__(self) -> str:
+        w = self.worst
+        verdict = "match" if self.ok else "DIFFER"
+        return (
+            f"accumulated (n={self.n}) and whole-batch gradients {verdict}: worst leaf {w.path} "
+            f"({dtype_name(w.dtype)}): max abs error {w.max_abs_err:.3g}, relative "
+            f"{w.rel_err:.3g} (tolerance {w.atol:.1g} + {w.rtol:.1g} * {w.scale:.3g})"
+        )
+
+
+def compare(
+    step_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    n: int,
+    *args: Any,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **accumulate_kwargs: Any,
+) -> Comparison:
+    """Compare ``accumulate(step_fn, n, ...)`` with ``step_fn`` on the whole batch.
+
+    The reference is ``step_fn(params, batch, *args)``; with ``reduction="count"`` it is divided
+    by the whole batch's count, and with ``reduction="sum"`` it is the sum, as
+    :func:`gradaccum.accumulate` defines them.
+
+    Args:
+        step_fn: The gradient function, as given to :func:`gradaccum.accumulate`.
+        params: The parameters pytree (first argument of ``step_fn``).
+        batch: The whole batch (second argument).
+        n: Micro-batches to split it into.
+        *args: Further positional arguments of ``step_fn``.
+        rtol: Relative tolerance; default chosen per dtype (float64 1e-10, float32 1e-5,
+            float16 5e-3, bfloat16 2e-2).
+        atol: Absolute tolerance; default chosen per dtype.
+        **accumulate_kwargs: Keywords for :func:`gradaccum.accumulate` (``has_aux``,
+            ``reduction``, ``count``...).
+
+    Returns:
+        A :class:`Comparison`; ``str()`` of it names the worst leaf.
+
+    Example:
+        >>> import torch, gradaccum.testing
+        >>> from torch.func import grad
+        >>> loss = lambda p, b: (b @ p).pow(2).mean()
+        >>> p, b = torch.ones(3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+        >>> gradaccum.testing.compare(grad(loss), p, b, n=4).ok
+        True
+    """
+    has_aux = accumulate_kwargs.get("has_aux", False)
+    reduction = accumulate_kwargs.get("reduction", "mean")
+    acc_out = accumulate(step_fn, n, **accumulate_kwargs)(params, batch, *args)
+    ref_out = step_fn(params, batch, *args)
+    acc = acc_out[0] if has_aux else acc_out
+    ref = ref_out[0] if has_aux else ref_out
+    if reduction == "count":
+        total = accumulate_kwargs["count"](ref_out[1])
+        ref = _tree.map_(lambda g: g / total, ref)
+    paths, ref_leaves, _ = _tree.flatten_with_paths(ref)
+    acc_leaves, _ = _tree.flatten(acc)
+    diffs = []
+    for path, r, a in zip(paths, ref_leaves, acc_leaves):
+        dr, da = r.detach(), a.detach().to(r.dtype)
+        d_rtol, d_atol = _TOLERANCES.get(r.dtype, _TOLERANCES[torch.float32])
+        wide = torch.float64 if dr.device.type != "mps" else torch.float32
+        err = (da.to(wide) - dr.to(wide)).abs().max().item() if dr.numel() else 0.0
+        scale = dr.to(wide).abs().max().item() if dr.numel() else 0.0
+        diffs.append(
+            LeafDiff(
+                path,
+                r.dtype,
+                err,
+                scale,
+                d_rtol if rtol is None else rtol,
+                d_atol if atol is None else atol,
+            )
+        )
+    return Comparison(tuple(diffs), n)
+
+
+def assert_equivalent(
+    step_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    n: int,
+    *args: Any,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **accumulate_kwargs: Any,
+) -> Comparison:
+    """Like :func:`compare`, but raise ``AssertionError`` naming the worst leaf when they differ.
+
+    Example:
+        >>> import torch, gradaccum.testing
+        >>> from torch.func import grad
+        >>> loss = lambda p, b: (b @ p).pow(2).mean()
+        >>> p, b = torch.ones(3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+        >>> _ = gradaccum.testing.assert_equivalent(grad(loss), p, b, n=3)
+    """
+    result = compare(step_fn, params, batch, n, *args, rtol=rtol, atol=atol, **accumulate_kwargs)
+    if not result.ok:
+        raise AssertionError(
+            f"{result}. Common causes: BatchNorm (statistics per micro-batch), dropout, or a "
+            f"loss normalised per micro-batch (use reduction='count'); see the Concepts page."
+        )
+    return result
+
+
+def nonfinite(grads: Any) -> list[str]:
+    """Key paths of the gradient leaves that hold a NaN or an infinity.
+
+    This synchronises with the device once per leaf; call it for debugging, not every step.
+
+    Example:
+        >>> import torch, gradaccum.testing
+        >>> grads = {"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])}
+        >>> gradaccum.testing.nonfinite(grads)
+        ["['b']"]
+    """
+    paths, leaves, _ = _tree.flatten_with_paths(grads)
+    return [
+        p
+        for p, g in zip(paths, leaves)
+        if isinstance(g, torch.Tensor) and not bool(torch.isfinite(g).all())
+    ]
+
+
+def assert_finite(grads: Any) -> None:
+    """Raise ``AssertionError`` listing the key paths of non-finite gradient leaves, if any.
+
+    Example:
+        >>> import torch, gradaccum.testing
+        >>> gradaccum.testing.assert_finite({"w": torch.ones(3)})
+    """
+    bad = nonfinite(grads)
+    if bad:
+        raise AssertionError(
+            f"assert_finite(grads): gradient leaves {bad} hold NaN or inf; look for a division "
+            f"by a zero count, log(0), or an overflow in float16 (use loss scaling)."
+        )
