@@ -155,9 +155,12 @@ def accumulate(
                 state = _state.add_grads(call, state, grads, alpha, weight)
                 assert aux_acc is not None
                 aux_acc.add(aux, rows, items)
+                del grads, aux
             else:
                 alpha, weight = _state.micro_weight(call, reduction, rows, None)
                 state = _state.add_grads(call, state, out, alpha, weight)
+            # Drop this micro-batch's outputs (and any graph they hold) before the next runs.
+            del out, mb
         # The boundary: the one step where synchronisation and boundary transforms plug in.
         grads, _ = _state.finalize(call, reduction, state)
         if aux_acc is not None:

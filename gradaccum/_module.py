@@ -97,6 +97,13 @@ def update_buffers(
 
     Call it outside ``torch.func`` transforms, after each micro-batch: see :func:`call_module`.
 
+    Example:
+        >>> import torch, gradaccum
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> gradaccum.update_buffers(bn, {"running_mean": torch.tensor([0.5, 1.0])})
+        >>> bn.running_mean
+        tensor([0.5000, 1.0000])
+
     Raises:
         KeyError: ``new_buffers`` names a buffer that ``buffers`` does not have.
     """

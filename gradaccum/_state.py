@@ -47,6 +47,13 @@ class AccumState(NamedTuple, Generic[T]):
         micro_step: How many micro-batches this window holds so far.
         window: How many windows were finalized before this one.
         layout: Static description of the gradient tree (structure, shapes, dtypes).
+
+    Example:
+        >>> import torch, gradaccum
+        >>> acc = gradaccum.Accumulator(n=4, reduction="sum")
+        >>> state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)})
+        >>> state.sums, state.weight, state.micro_step, state.window
+        ({'w': tensor([1., 1.])}, 1, 1, 0)
     """
 
     sums: T | None

@@ -72,7 +72,12 @@ class Comparison:
     @property
     def worst(self) -> LeafDiff:
         """The leaf with the largest error relative to its tolerance."""
-        return max(self.leaves, key=lambda d: d.max_abs_err / (d.atol + d.rtol * d.scale))
+
+        def badness(d: LeafDiff) -> float:
+            tol = d.atol + d.rtol * d.scale
+            return d.max_abs_err / tol if tol > 0 else (float("inf") if d.max_abs_err else 0.0)
+
+        return max(self.leaves, key=badness)
 
     def __str__(self) -> str:
         w = self.worst
