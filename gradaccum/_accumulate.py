@@ -128,6 +128,7 @@ def accumulate(
             f"{where}: aux_reduction= needs has_aux=True (step_fn returning (grads, aux)); pass "
             f"has_aux=True or drop aux_reduction=."
         )
+    _reduce.check_aux_reduction(where, aux_reduction)
     grad_args = _check_argnums(where, argnums, batch_argnum)
     acc = _state.Accumulator(n, reduction, accum_dtype)
 

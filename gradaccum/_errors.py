@@ -32,6 +32,8 @@ def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         return f"Tensor(shape={tuple(value.shape)}, dtype={dtype})"
+    if isinstance(value, torch.dtype):
+        return str(value)
     if isinstance(value, (bool, int, float, str)) or value is None:
         return f"{type(value).__name__} {value!r}"
     return type(value).__name__

@@ -106,14 +106,29 @@ def update_buffers(
 
     Raises:
         KeyError: ``new_buffers`` names a buffer that ``buffers`` does not have.
+        TypeError: ``new_buffers`` is not a dict.
+        ValueError: A new buffer's shape differs from the buffer's. Nothing is written then.
     """
     target = buffers_of(buffers) if isinstance(buffers, torch.nn.Module) else buffers
+    if not isinstance(new_buffers, Mapping):
+        raise TypeError(
+            f"update_buffers(buffers, new_buffers): new_buffers must be a dict of tensors by "
+            f"buffer name, got {describe(new_buffers)}; pass the new_buffers that call_module "
+            f"returned."
+        )
     unknown = sorted(set(new_buffers) - set(target))
     if unknown:
         raise KeyError(
             f"update_buffers(buffers, new_buffers): new_buffers has {unknown}, which buffers "
             f"does not have (it has {sorted(target)}); pass the buffers of the same module."
         )
+    for k, v in new_buffers.items():
+        if not isinstance(v, torch.Tensor) or v.shape != target[k].shape:
+            raise ValueError(
+                f"update_buffers(buffers, new_buffers): new_buffers[{k!r}] is {describe(v)}, "
+                f"expected shape {tuple(target[k].shape)}; pass the new_buffers that call_module "
+                f"returned for the same module."
+            )
     with torch.no_grad():
         for k, v in new_buffers.items():
             target[k].copy_(v)
@@ -134,6 +149,7 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         tensor([[1., 1.]])
 
     Raises:
+        TypeError: ``grads`` is not a dict, or a gradient is not a real floating tensor.
         ValueError: The names of ``grads`` and of the module's trainable parameters differ,
             or a gradient has the wrong shape.
     """
@@ -156,6 +172,12 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
             raise ValueError(
                 f"write_grads(module, grads): grads[{k!r}] is {describe(g)}, expected shape "
                 f"{tuple(p.shape)}; compute grads with respect to gradaccum.params_of(module)."
+            )
+        if not g.is_floating_point():
+            raise TypeError(
+                f"write_grads(module, grads): grads[{k!r}] has dtype "
+                f"{str(g.dtype).removeprefix('torch.')}; gradients must be real floating tensors. "
+                f"Compute grads with respect to gradaccum.params_of(module)."
             )
     for k, p in named.items():
         p.grad = grads[k].detach().to(p.dtype)

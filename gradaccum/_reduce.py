@@ -75,6 +75,20 @@ def check_count(where: str, count: object) -> Weight:
     return count
 
 
+def check_aux_reduction(where: str, spec: Any) -> None:
+    """Validate the names in ``aux_reduction`` (a name, or a tree of names) before any call."""
+    if spec is None:
+        return
+    paths, names, _ = _tree.flatten_with_paths(spec)
+    for path, name in zip(paths, names):
+        if not isinstance(name, str) or name not in AUX_REDUCTIONS:
+            what = "aux_reduction" if path == "<root>" else f"aux_reduction leaf {path}"
+            raise ValueError(
+                f"{where}: {what} must be one of {', '.join(map(repr, AUX_REDUCTIONS))}, got "
+                f"{describe(name)}; pass one of those names, or a tree of them shaped like the aux."
+            )
+
+
 class AuxAccumulator:
     """Combine aux pytrees over micro-batches, leaf by leaf.
 
@@ -109,10 +123,11 @@ class AuxAccumulator:
         self._paths, _, self._treespec = _tree.flatten_with_paths(aux)
         try:
             kinds = _tree.broadcast_prefix(self._spec, aux)
-        except ValueError as e:
+        except ValueError:
+            where = _tree.first_difference(self._spec, aux, prefix=True)
             raise ValueError(
                 f"{self._where}: aux_reduction {self._spec!r} is not a prefix of the aux tree "
-                f"{self._treespec} ({e}); pass one name for all leaves, or a tree shaped like "
+                f"{self._treespec}: {where}; pass one name for all leaves, or a tree shaped like "
                 f"the aux (or a prefix of it) whose leaves are names."
             ) from None
         for path, kind in zip(self._paths, kinds):

@@ -46,7 +46,9 @@ class MicroBatches(Generic[B]):
     __slots__ = ("_batches",)
 
     def __init__(self, batches: Sequence[B]) -> None:
-        if isinstance(batches, (torch.Tensor, dict)) or not isinstance(batches, Sequence):
+        if isinstance(batches, (torch.Tensor, dict, str, bytes)) or not isinstance(
+            batches, Sequence
+        ):
             raise TypeError(
                 f"MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
                 f"{describe(batches)}; wrap your micro-batches in a list: "
@@ -72,13 +74,20 @@ class MicroBatches(Generic[B]):
         return f"MicroBatches(<{len(self._batches)} micro-batches>)"
 
 
-def _rows(where: str, batch: Any, fix: str) -> tuple[list[str], list[Any], Any, int]:
+def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
     """Flatten ``batch`` and return (paths, leaves, spec, rows along dim 0), validating it."""
     paths, leaves, spec = _tree.flatten_with_paths(batch)
     rows: int | None = None
     first_path = ""
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
+            if hasattr(leaf, "__array__") or hasattr(leaf, "shape"):
+                raise TypeError(
+                    f"{where}: batch leaf {path} is {describe(leaf)}, which gradaccum does not "
+                    f"split (only torch tensors are split; other leaves go whole to every "
+                    f"micro-batch); convert it with torch.as_tensor, or pass it through another "
+                    f"argument of step_fn."
+                )
             continue
         if leaf.dim() == 0:
             raise ValueError(
@@ -92,7 +101,9 @@ def _rows(where: str, batch: Any, fix: str) -> tuple[list[str], list[Any], Any, 
             raise ValueError(
                 f"{where}: batch leaves disagree on their size along dim 0: {first_path} has "
                 f"{rows} rows but {path} has {leaf.shape[0]}; every tensor in a batch must "
-                f"have the same number of rows. {fix}"
+                f"have the same number of rows. Give every tensor leaf of the batch the same "
+                f"number of rows, or pass tensors that are not split by row through another "
+                f"argument of step_fn."
             )
     if rows is None:
         got = describe(batch) if not leaves else "leaves " + ", ".join(map(describe, leaves))
@@ -111,7 +122,7 @@ def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
     if isinstance(batch, MicroBatches):
         out = []
         for i, mb in enumerate(batch):
-            _, _, _, rows = _rows(f"{where} micro-batch {i}", mb, "")
+            _, _, _, rows = _rows(f"{where} micro-batch {i}", mb)
             if rows == 0:
                 raise ValueError(
                     f"{where}: micro-batch {i} of the MicroBatches has 0 rows; a micro-batch "
@@ -120,7 +131,12 @@ def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
             out.append((mb, rows))
         return out
 
-    _, leaves, spec, rows = _rows(where, batch, "")
+    _, leaves, spec, rows = _rows(where, batch)
+    if rows == 0:
+        raise ValueError(
+            f"{where}: the batch has 0 rows along dim 0, so there is nothing to accumulate; pass "
+            f"a batch with at least n={n} rows."
+        )
     if n > rows:
         raise ValueError(
             f"{where}: n={n} micro-batches is more than the {rows} rows of the batch, so some "

@@ -108,8 +108,12 @@ class Accumulator:
     reduction: _reduce.Reduction = "mean"
     accum_dtype: torch.dtype | None = None
 
+    @property
+    def _where(self) -> str:
+        return f"Accumulator(n={'<schedule>' if callable(self.n) else repr(self.n)})"
+
     def __post_init__(self) -> None:
-        where = f"Accumulator(n={self.n!r})"
+        where = self._where
         if not callable(self.n):
             check_n(where, self.n)
         _reduce.check_reduction(where, self.reduction)
@@ -140,6 +144,7 @@ class Accumulator:
 
     def is_complete(self, state: AccumState[T]) -> bool:
         """Whether the window holds its ``n`` micro-batches: time to :meth:`finalize`."""
+        check_state(f"{self._where}.is_complete(state)", state)
         return state.micro_step >= self.window_size(state)
 
     def add(
@@ -170,6 +175,7 @@ class Accumulator:
                 ``size``/``count`` is missing or out of range.
         """
         where = "Accumulator.add(state, grads)"
+        check_state(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
         return add_grads(where, state, grads, alpha, weight)
 
@@ -180,9 +186,14 @@ class Accumulator:
         equal the whole-window gradient under the configured reduction.
 
         Raises:
-            ValueError: The window holds no micro-batch.
+            ValueError: The window holds no micro-batch, or (``count``) its counts add up to 0.
+                Counts given as tensors are not checked (that would synchronise with the
+                device): a zero total then gives non-finite gradients, which
+                :func:`gradaccum.testing.assert_finite` reports.
         """
-        return finalize(f"Accumulator(n={self.n!r}).finalize(state)", self.reduction, state)
+        where = f"{self._where}.finalize(state)"
+        check_state(where, state)
+        return finalize(where, self.reduction, state)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -190,8 +201,9 @@ class Accumulator:
         """The state as a dict of tensors, numbers and strings.
 
         It is safe to ``torch.save`` and to ``torch.load(..., weights_only=True)``, mid-window
-        included.
+        included. The running sums are copies: later ``add`` calls do not change it.
         """
+        check_state("Accumulator.state_dict(state)", state)
         lay: _Layout = state.layout
         return {
             "format": _FORMAT,
@@ -200,7 +212,9 @@ class Accumulator:
             "shapes": [list(s) for s in lay.shapes],
             "dtypes": [dtype_name(d) for d in lay.dtypes],
             "accum_dtypes": [dtype_name(d) for d in lay.accum_dtypes],
-            "sums": None if state.sums is None else list(_tree.flatten(state.sums)[0]),
+            "sums": None
+            if state.sums is None
+            else [s.clone() for s in _tree.flatten(state.sums)[0]],
             "weight": state.weight,
             "micro_step": state.micro_step,
             "window": state.window,
@@ -221,6 +235,7 @@ class Accumulator:
             GradAccumError: The saved state is for a different gradient tree (key paths, shapes
                 or dtypes differ; the message names the first difference) or reduction.
         """
+        check_state("Accumulator.load_state_dict(state, state_dict)", state)
         return load(self.reduction, state, state_dict)
 
 
@@ -240,6 +255,16 @@ def check_n(where: str, n: object) -> int:
             f"n >= 1 (n=1 computes the whole batch in one micro-batch)."
         )
     return n
+
+
+def check_state(where: str, state: object) -> None:
+    """Validate that ``state`` is an :class:`AccumState`."""
+    if not isinstance(state, AccumState) or not isinstance(state.layout, _Layout):
+        raise TypeError(
+            f"{where}: state must be an AccumState (from Accumulator.init, add or finalize), got "
+            f"{describe(state)}; start with state = acc.init(params), then state = "
+            f"acc.add(state, grads, ...)."
+        )
 
 
 def check_accum_dtype(where: str, dtype: object) -> None:
@@ -289,9 +314,15 @@ def micro_weight(
 ) -> tuple[int, _reduce.Weight]:
     """``(alpha, weight)`` of one micro-batch: its gradient is scaled by alpha, adds weight."""
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ValueError(
+        error = ValueError if isinstance(size, int) and not isinstance(size, bool) else TypeError
+        raise error(
             f"{where}: size must be the micro-batch's number of rows, a positive int, got "
             f"{describe(size)}; pass size=len(micro_batch)."
+        )
+    if count is not None and reduction != "count":
+        raise ValueError(
+            f"{where}: count= is used only with reduction='count', got reduction={reduction!r}; "
+            f"pass size= (the micro-batch's rows), or use Accumulator(n, reduction='count')."
         )
     if reduction == "mean":
         if size is None:
@@ -323,12 +354,26 @@ def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
         except AttributeError:
             pass
     else:
+        for path in _tree.none_paths(grads):
+            if path in lay.paths:
+                shape = tuple(lay.shapes[lay.paths.index(path)])
+                raise TypeError(
+                    f"{where}: gradient leaf {path} is None, expected a tensor of shape {shape}; "
+                    f"step_fn must return a tensor for every params leaf (torch.autograd.grad "
+                    f"returns None for an unused parameter: pass materialize_grads=True, or use "
+                    f"torch.func.grad)."
+                )
         expected = _tree.unflatten(lay.spec, [0] * lay.spec.num_leaves)
         got = _tree.map_(lambda _: 0, grads)
+        hint = (
+            "; if step_fn returns (grads, aux), pass has_aux=True"
+            if isinstance(grads, tuple) and len(grads) == 2
+            else ""
+        )
         raise ValueError(
             f"{where}: the gradients do not match the params tree "
             f"{_tree.first_difference(expected, got)}; step_fn must return one gradient per "
-            f"params leaf, in a tree of the same structure (as torch.func.grad does)."
+            f"params leaf, in a tree of the same structure (as torch.func.grad does){hint}."
         )
     for path, g, shape in zip(lay.paths, leaves, lay.shapes):
         if not isinstance(g, torch.Tensor):
@@ -378,12 +423,64 @@ def finalize(
             f"{where}: the window holds no micro-batch, so there is no gradient to return; "
             f"call add() at least once before finalize()."
         )
+    if reduction == "count" and not isinstance(state.weight, torch.Tensor) and state.weight <= 0:
+        raise ValueError(
+            f"{where}: the window's counts add up to {state.weight}, so there is no item mean to "
+            f"divide by; skip windows with no items (e.g. all padding), or use reduction='sum'."
+        )
     lay: _Layout = state.layout
     sums = _tree.flatten(state.sums)[0]
     with torch.no_grad():
         _reduce.normalise(reduction, sums, state.weight)
         out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
     return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
+
+
+_FIELDS = (
+    "accum_dtypes",
+    "dtypes",
+    "micro_step",
+    "paths",
+    "reduction",
+    "shapes",
+    "sums",
+    "weight",
+    "window",
+)
+
+
+def _check_fields(where: str, sd: dict[str, Any]) -> None:
+    """Check that a state dict has every field, of the right kind and length."""
+    fix = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
+    missing = [k for k in _FIELDS if k not in sd]
+    if missing:
+        raise GradAccumError(f"{where}: the state dict lacks the keys {missing}{fix}")
+    n = len(sd["paths"])
+    for key, label in (
+        ("shapes", "shapes"),
+        ("dtypes", "dtypes"),
+        ("accum_dtypes", "accum_dtypes"),
+        ("sums", "running sums"),
+    ):
+        if key == "sums" and sd[key] is None:
+            continue
+        if len(sd[key]) != n:
+            raise GradAccumError(
+                f"{where}: the state dict has {n} paths but {len(sd[key])} {label}{fix}"
+            )
+    for key in ("micro_step", "window"):
+        value = sd[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise GradAccumError(
+                f"{where}: {key} must be a non-negative int, got {describe(value)}{fix}"
+            )
+    weight = sd["weight"]
+    if isinstance(weight, bool) or not (
+        isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
+    ):
+        raise GradAccumError(
+            f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}{fix}"
+        )
 
 
 def load(reduction: str, state: AccumState[T], sd: dict[str, Any]) -> AccumState[T]:
@@ -396,6 +493,7 @@ def load(reduction: str, state: AccumState[T], sd: dict[str, Any]) -> AccumState
             f"{describe(sd) if not isinstance(sd, dict) else 'format ' + repr(sd.get('format'))}"
             f"; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
         )
+    _check_fields(where, sd)
     if sd["reduction"] != reduction:
         raise GradAccumError(
             f"{where}: the state was saved with reduction={sd['reduction']!r} but this "

@@ -52,11 +52,17 @@ def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], PyTreeSpec]:
     return [keystr(p) for p in paths], leaves, spec
 
 
-def first_difference(expected: Any, got: Any) -> str:
+def none_paths(tree: Any) -> list[str]:
+    """Key paths of the ``None`` leaves of ``tree`` (optree otherwise drops them silently)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return [keystr(p) for p, x in zip(paths, leaves) if x is None]
+
+
+def first_difference(expected: Any, got: Any, *, prefix: bool = False) -> str:
     """Say where two trees first differ in structure, with the key path.
 
     Returns a sentence fragment such as ``"at ['b']: expected a dict with keys ['x', 'y'], got
-    a dict with keys ['x']"``.
+    a dict with keys ['x']"``. With ``prefix=True``, a leaf of ``expected`` matches any subtree.
     """
 
     def node_desc(node: Any) -> str:
@@ -72,7 +78,7 @@ def first_difference(expected: Any, got: Any) -> str:
 
     def walk(a: Any, b: Any, path: tuple[Any, ...]) -> str | None:
         sa, sb = optree.tree_structure(a), optree.tree_structure(b)
-        if sa == sb:
+        if sa == sb or (prefix and optree.treespec_is_leaf(sa)):
             return None
         a_leaf, b_leaf = optree.treespec_is_leaf(sa), optree.treespec_is_leaf(sb)
         if a_leaf or b_leaf or type(a) is not type(b):

@@ -167,3 +167,11 @@ def test_state_is_a_pytree() -> None:
     state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)}, size=1)
     leaves = optree.tree_leaves(state)
     assert any(isinstance(x, torch.Tensor) and x.shape == (2,) for x in leaves)
+
+
+def test_state_dict_is_a_snapshot_not_a_view() -> None:
+    acc = gradaccum.Accumulator(n=4)
+    state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)}, size=1)
+    sd = acc.state_dict(state)
+    acc.add(state, {"w": torch.ones(2)}, size=1)
+    assert torch.equal(sd["sums"][0], torch.ones(2))
