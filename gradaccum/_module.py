@@ -59,7 +59,13 @@ def call_module(
     training mode updates its running statistics), which are returned instead of mutating the
     tensors passed in (``torch.func`` refuses such mutation). Return ``new_buffers`` in the aux
     of your loss, and commit them with :func:`update_buffers` after each micro-batch, outside
-    the gradient transform, so that statistics thread through the micro-batches in order.
+    the gradient transform, so that statistics thread through the micro-batches in order, as
+    ``n`` forward passes of a hand-written loop would.
+
+    With :func:`gradaccum.accumulate`, commit them inside the step function (second example)
+    and return only the loss as aux. Do not return the buffers as aux of the accumulated
+    function: its aux reductions would average ``n`` updates made from the same starting
+    statistics instead of chaining them.
 
     Args:
         module: The module whose forward to run.
@@ -84,6 +90,16 @@ def call_module(
         >>> gradaccum.update_buffers(buffers, new_buffers)
         >>> int(bn.num_batches_tracked)
         1
+
+        Threaded through the micro-batches of :func:`gradaccum.accumulate`:
+
+        >>> def step(params, x):
+        ...     grads, (loss, new_buffers) = grad_and_value(loss_fn, has_aux=True)(params, x)
+        ...     gradaccum.update_buffers(buffers, new_buffers)  # after each micro-batch, in order
+        ...     return grads, loss
+        >>> grads, loss = gradaccum.accumulate(step, n=4, has_aux=True)(params, torch.randn(16, 2))
+        >>> int(bn.num_batches_tracked)  # 1 + 4 micro-batches
+        5
     """
     fresh = {k: v.clone() for k, v in buffers.items()}
     out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
