@@ -47,7 +47,7 @@ def accumulate(
             selected by ``argnums``.
         n: The number of micro-batches to split each batch into. When ``n`` does not divide
             the batch, the first micro-batches get one row more (the result stays exact). A
-            :class:`gradaccum.MicroBatches` batch is used as given, whatever ``n``.
+            [`MicroBatches`][gradaccum.MicroBatches] batch is used as given, whatever ``n``.
         has_aux: ``step_fn`` returns ``(grads, aux)``; the accumulated function then returns
             ``(grads, aux)`` with aux combined per ``aux_reduction``.
         reduction: ``"mean"``: ``step_fn`` returns the gradient of a mean loss; micro-batches are
@@ -63,7 +63,9 @@ def accumulate(
             ``"sum"``, ``"count"`` (sum divided by the total count: a summed loss becomes the
             item mean), ``"concat"`` (along dim 0), ``"stack"`` (a new leading dim) or ``"last"``;
             or a pytree prefix of the aux with those names at its leaves. Default: the
-            gradient ``reduction``, so a returned loss equals the whole-batch loss.
+            gradient ``reduction``, so a returned loss equals the whole-batch loss; under
+            ``reduction="count"``, the aux leaf that ``count`` returns as is (e.g.
+            ``count=lambda aux: aux[1]``) gets ``"sum"``, so it reports the total count.
         argnums: Which positional argument(s) the gradients are taken with respect to, as in
             ``torch.func.grad``; used to check the gradients' tree and to allocate the
             accumulator.
@@ -83,7 +85,7 @@ def accumulate(
         ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
             match ``params`` (the message names the key path). Nothing is mutated.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> from torch.func import grad
         >>> def loss_fn(params, batch):
@@ -96,8 +98,8 @@ def accumulate(
         True
 
     See Also:
-        :class:`gradaccum.Accumulator` for loops fed one micro-batch at a time;
-        :func:`gradaccum.testing.compare` to check a step function against the whole batch.
+        [`Accumulator`][gradaccum.Accumulator] for loops fed one micro-batch at a time;
+        [`compare()`][gradaccum.testing.compare] to check a step function against the whole batch.
     """
     name = getattr(step_fn, "__name__", None) or type(step_fn).__name__
     where = f"accumulate({name}, n={n!r})"
@@ -151,12 +153,13 @@ def accumulate(
             out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
             if has_aux:
                 grads, aux = _unpack(call, out)
-                items = _reduce.check_count(call, count(aux)) if count is not None else None
+                raw = count(aux) if count is not None else None
+                items = _reduce.check_count(call, raw) if count is not None else None
                 alpha, weight = _state.micro_weight(call, reduction, rows, items)
                 state = _state.add_grads(call, state, grads, alpha, weight)
                 assert aux_acc is not None
-                aux_acc.add(aux, rows, items)
-                del grads, aux
+                aux_acc.add(aux, rows, items, raw)
+                del grads, aux, raw
             else:
                 alpha, weight = _state.micro_weight(call, reduction, rows, None)
                 state = _state.add_grads(call, state, out, alpha, weight)

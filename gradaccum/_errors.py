@@ -2,7 +2,7 @@
 
 Every message starts with the call shape, says what was expected and what came, and ends with
 the fix (see STYLE.md). Builtin ``TypeError``/``ValueError`` are used for wrong kinds and values;
-:class:`GradAccumError` for mismatches between processes and saved state.
+[`GradAccumError`][gradaccum.GradAccumError] for mismatches between processes and saved state.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class GradAccumError(RuntimeError):
     Examples are a saved accumulator state that does not match the parameters it is loaded for,
     or (in data-parallel training) processes that disagree on the gradient tree.
 
-    Example:
+    Examples:
         >>> import gradaccum
         >>> issubclass(gradaccum.GradAccumError, RuntimeError)
         True

@@ -25,7 +25,7 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     optimizer step on the module is seen by the dict and no autograd graph reaches the module.
     Parameters with ``requires_grad=False`` (frozen) are left out.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> sorted(gradaccum.params_of(torch.nn.Linear(2, 3)))
         ['bias', 'weight']
@@ -36,9 +36,9 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's buffers (e.g. BatchNorm running statistics) as a ``{name: tensor}`` dict.
 
-    Like :func:`params_of`, the tensors share storage with the module.
+    Like [`params_of()`][gradaccum.params_of], the tensors share storage with the module.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> sorted(gradaccum.buffers_of(torch.nn.BatchNorm1d(4)))
         ['num_batches_tracked', 'running_mean', 'running_var']
@@ -58,26 +58,26 @@ def call_module(
     Safe inside ``torch.func.grad``: the module updates copies of the buffers (a BatchNorm in
     training mode updates its running statistics), which are returned instead of mutating the
     tensors passed in (``torch.func`` refuses such mutation). Return ``new_buffers`` in the aux
-    of your loss, and commit them with :func:`update_buffers` after each micro-batch, outside
-    the gradient transform, so that statistics thread through the micro-batches in order, as
-    ``n`` forward passes of a hand-written loop would.
+    of your loss, and commit them with [`update_buffers()`][gradaccum.update_buffers] after each
+    micro-batch, outside the gradient transform, so that statistics thread through the
+    micro-batches in order, as ``n`` forward passes of a hand-written loop would.
 
-    With :func:`gradaccum.accumulate`, commit them inside the step function (second example)
-    and return only the loss as aux. Do not return the buffers as aux of the accumulated
+    With [`accumulate()`][gradaccum.accumulate], commit them inside the step function (second
+    example) and return only the loss as aux. Do not return the buffers as aux of the accumulated
     function: its aux reductions would average ``n`` updates made from the same starting
     statistics instead of chaining them.
 
     Args:
         module: The module whose forward to run.
-        params: Parameters by name (e.g. from :func:`params_of`).
-        buffers: Buffers by name (e.g. from :func:`buffers_of`).
+        params: Parameters by name (e.g. from [`params_of()`][gradaccum.params_of]).
+        buffers: Buffers by name (e.g. from [`buffers_of()`][gradaccum.buffers_of]).
         *args: Positional arguments of the module's forward.
         **kwargs: Keyword arguments of the module's forward.
 
     Returns:
         The module's output, and the buffers after the call.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> from torch.func import grad_and_value
         >>> bn = torch.nn.BatchNorm1d(2)
@@ -91,7 +91,7 @@ def call_module(
         >>> int(bn.num_batches_tracked)
         1
 
-        Threaded through the micro-batches of :func:`gradaccum.accumulate`:
+        Threaded through the micro-batches of [`accumulate()`][gradaccum.accumulate]:
 
         >>> def step(params, x):
         ...     grads, (loss, new_buffers) = grad_and_value(loss_fn, has_aux=True)(params, x)
@@ -109,11 +109,14 @@ def call_module(
 def update_buffers(
     buffers: Mapping[str, torch.Tensor] | torch.nn.Module, new_buffers: Mapping[str, torch.Tensor]
 ) -> None:
-    """Copy ``new_buffers`` into ``buffers`` (a dict from :func:`buffers_of`, or a module) in place.
+    """Copy ``new_buffers`` into ``buffers`` in place.
 
-    Call it outside ``torch.func`` transforms, after each micro-batch: see :func:`call_module`.
+    ``buffers`` is a dict from [`buffers_of()`][gradaccum.buffers_of], or a module.
 
-    Example:
+    Call it outside ``torch.func`` transforms, after each micro-batch: see
+    [`call_module()`][gradaccum.call_module].
+
+    Examples:
         >>> import torch, gradaccum
         >>> bn = torch.nn.BatchNorm1d(2)
         >>> gradaccum.update_buffers(bn, {"running_mean": torch.tensor([0.5, 1.0])})
@@ -157,7 +160,7 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
     Every trainable parameter must have a gradient, and every gradient a parameter; nothing is
     written when they do not match.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> lin = torch.nn.Linear(2, 1)
         >>> gradaccum.write_grads(lin, {"weight": torch.ones(1, 2), "bias": torch.ones(1)})

@@ -92,13 +92,15 @@ def check_aux_reduction(where: str, spec: Any) -> None:
 class AuxAccumulator:
     """Combine aux pytrees over micro-batches, leaf by leaf.
 
-    ``spec`` is ``None`` (each leaf follows the gradient ``reduction``), one of
-    :data:`AUX_REDUCTIONS`, or a pytree prefix of the aux whose leaves are those names.
+    ``spec`` is ``None`` (each leaf follows the gradient ``reduction``, except that under
+    ``count`` the leaf that ``count(aux)`` returns as is gets ``sum``: it reports the total
+    count), one of ``AUX_REDUCTIONS``, or a pytree prefix of the aux whose leaves are those names.
     """
 
     __slots__ = (
         "_acc",
         "_count_total",
+        "_default",
         "_kinds",
         "_paths",
         "_reduction",
@@ -110,6 +112,7 @@ class AuxAccumulator:
 
     def __init__(self, where: str, spec: Any, reduction: Reduction) -> None:
         self._where = where
+        self._default = spec is None
         self._spec = reduction if spec is None else spec
         self._reduction = reduction
         self._kinds: list[str] | None = None
@@ -119,8 +122,8 @@ class AuxAccumulator:
         self._size_total: Weight = 0
         self._count_total: Weight = 0
 
-    def _start(self, aux: Any) -> None:
-        self._paths, _, self._treespec = _tree.flatten_with_paths(aux)
+    def _start(self, aux: Any, raw_count: object) -> None:
+        self._paths, leaves, self._treespec = _tree.flatten_with_paths(aux)
         try:
             kinds = _tree.broadcast_prefix(self._spec, aux)
         except ValueError:
@@ -141,12 +144,18 @@ class AuxAccumulator:
                     f"{self._where}: aux_reduction 'count' for aux leaf {path} needs "
                     f"reduction='count' (there is no count to divide by); use 'mean' or 'sum'."
                 )
+        if self._default and self._reduction == "count":
+            # The count itself would be divided by itself (1.0): report the total instead.
+            kinds = ["sum" if leaf is raw_count else k for k, leaf in zip(kinds, leaves)]
         self._kinds = kinds
 
-    def add(self, aux: Any, size: int, count: Weight | None) -> None:
-        """Fold one micro-batch's aux in: ``size`` rows, ``count`` (for ``count``) items."""
+    def add(self, aux: Any, size: int, count: Weight | None, raw_count: object = None) -> None:
+        """Fold one micro-batch's aux in: ``size`` rows, ``count`` (for ``count``) items.
+
+        ``raw_count`` is what ``count(aux)`` returned, before validation.
+        """
         if self._kinds is None:
-            self._start(aux)
+            self._start(aux, raw_count)
         leaves, treespec = _tree.flatten(aux)
         if treespec != self._treespec:
             raise ValueError(

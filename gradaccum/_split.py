@@ -26,17 +26,17 @@ B = TypeVar("B")
 class MicroBatches(Generic[B]):
     """Micro-batches already split by the caller, of any sizes.
 
-    Pass it where :func:`gradaccum.accumulate` expects the batch to choose the split yourself,
-    for example micro-batches of different lengths from a bucketing sampler. The accumulated
-    function then runs one micro-batch per element, whatever its ``n``; the ``mean`` reduction
-    weights each micro-batch by its number of rows, so the result is the gradient of the mean
-    loss over all the rows.
+    Pass it where [`accumulate()`][gradaccum.accumulate] expects the batch to choose the split
+    yourself, for example micro-batches of different lengths from a bucketing sampler. The
+    accumulated function then runs one micro-batch per element, whatever its ``n``; the ``mean``
+    reduction weights each micro-batch by its number of rows, so the result is the gradient of the
+    mean loss over all the rows.
 
     Args:
         batches: A non-empty sequence of batch pytrees, each with at least one tensor leaf and
             all tensor leaves of one micro-batch sharing their size along dim 0.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> mbs = gradaccum.MicroBatches([torch.ones(3, 2), torch.ones(5, 2)])
         >>> len(mbs), [mb.shape[0] for mb in mbs]
@@ -117,7 +117,8 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
 def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
     """Split ``batch`` into micro-batches; return ``[(micro_batch, rows), ...]``.
 
-    ``batch`` may be a :class:`MicroBatches`, which is validated and used as given.
+    ``batch`` may be a [`MicroBatches`][gradaccum.MicroBatches], which is validated and used as
+    given.
     """
     if isinstance(batch, MicroBatches):
         out = []
@@ -151,7 +152,7 @@ def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
         ]
         sizes = [rows // n] * n
     else:
-        small, extra = divmod(rows, n)
+        small, extra = rows // n, rows % n  # not divmod: Dynamo rejects it on symbolic sizes
         sizes = [small + 1] * extra + [small] * (n - extra)
         parts = [torch.split(x, sizes) if isinstance(x, torch.Tensor) else None for x in leaves]
     return [

@@ -37,7 +37,9 @@ class _Layout:
 
 
 class AccumState(NamedTuple, Generic[T]):
-    """The state of a streaming accumulation window (a pytree; see :class:`Accumulator`).
+    """The state of a streaming accumulation window, a pytree.
+
+    See [`Accumulator`][gradaccum.Accumulator], whose methods take and return it.
 
     Attributes:
         sums: The running weighted sums of the window's gradients, one tensor per gradient leaf
@@ -48,7 +50,7 @@ class AccumState(NamedTuple, Generic[T]):
         window: How many windows were finalized before this one.
         layout: Static description of the gradient tree (structure, shapes, dtypes).
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> acc = gradaccum.Accumulator(n=4, reduction="sum")
         >>> state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)})
@@ -67,14 +69,16 @@ class AccumState(NamedTuple, Generic[T]):
 class Accumulator:
     """Streaming gradient accumulation over a window of ``n`` micro-batches.
 
-    The configuration is held here; the window lives in an :class:`AccumState` that the methods
-    take and return (optax-style). Use it when micro-batches come one at a time, for example from
-    a DataLoader of micro-batches; :func:`gradaccum.accumulate` uses it for whole batches.
+    The configuration is held here; the window lives in an [`AccumState`][gradaccum.AccumState]
+    that the methods take and return (optax-style). Use it when micro-batches come one at a time,
+    for example from a DataLoader of micro-batches; [`accumulate()`][gradaccum.accumulate] uses it
+    for whole batches.
 
-    The result of :meth:`finalize` equals the gradient over all the window's rows (``mean``), their
-    plain sum (``sum``) or the gradient of the summed loss divided by the summed counts
-    (``count``), whatever the micro-batch sizes. A short last window (call :meth:`finalize`
-    before :meth:`is_complete`) is weighted exactly by what it holds.
+    The result of [`finalize()`][gradaccum.Accumulator.finalize] equals the gradient over all the
+    window's rows (``mean``), their plain sum (``sum``) or the gradient of the summed loss divided
+    by the summed counts (``count``), whatever the micro-batch sizes. A short last window (call
+    [`finalize()`][gradaccum.Accumulator.finalize] before
+    [`is_complete()`][gradaccum.Accumulator.is_complete]) is weighted exactly by what it holds.
 
     The running sums are updated in place: after ``add(state, ...)`` and ``finalize(state)``,
     use only the state they return.
@@ -85,10 +89,10 @@ class Accumulator:
         reduction: ``"mean"`` (default; ``add`` takes ``size=``), ``"sum"``, or ``"count"``
             (``add`` takes ``count=``).
         accum_dtype: The dtype of the running sums. Default: float32 for float16/bfloat16
-            gradients, the gradient dtype otherwise. Gradients come out of :meth:`finalize` in
-            the parameters' dtype.
+            gradients, the gradient dtype otherwise. Gradients come out of
+            [`finalize()`][gradaccum.Accumulator.finalize] in the parameters' dtype.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum
         >>> acc = gradaccum.Accumulator(n=2)
         >>> params = {"w": torch.zeros(2)}
@@ -128,7 +132,7 @@ class Accumulator:
             params: The pytree of floating tensors the gradients are taken with respect to.
 
         Returns:
-            An :class:`AccumState` with no micro-batch in it.
+            An [`AccumState`][gradaccum.AccumState] with no micro-batch in it.
         """
         return AccumState(
             None, 0, 0, 0, make_layout("Accumulator.init(params)", params, self.accum_dtype)
@@ -143,7 +147,7 @@ class Accumulator:
         return n
 
     def is_complete(self, state: AccumState[T]) -> bool:
-        """Whether the window holds its ``n`` micro-batches: time to :meth:`finalize`."""
+        """Whether the window holds its ``n`` micro-batches: time to call ``finalize``."""
         check_state(f"{self._where}.is_complete(state)", state)
         return state.micro_step >= self.window_size(state)
 
@@ -160,7 +164,7 @@ class Accumulator:
         Args:
             state: The current state (its running sums are updated in place).
             grads: The micro-batch's gradients, a pytree shaped like the ``params`` of
-                :meth:`init`.
+                [`init()`][gradaccum.Accumulator.init].
             size: The micro-batch's number of rows; required for ``reduction="mean"``.
             count: The number of items the micro-batch's summed loss covers (e.g. non-padding
                 tokens); required for ``reduction="count"``.
@@ -189,7 +193,7 @@ class Accumulator:
             ValueError: The window holds no micro-batch, or (``count``) its counts add up to 0.
                 Counts given as tensors are not checked (that would synchronise with the
                 device): a zero total then gives non-finite gradients, which
-                :func:`gradaccum.testing.assert_finite` reports.
+                [`assert_finite()`][gradaccum.testing.assert_finite] reports.
         """
         where = f"{self._where}.finalize(state)"
         check_state(where, state)
@@ -221,12 +225,12 @@ class Accumulator:
         }
 
     def load_state_dict(self, state: AccumState[T], state_dict: dict[str, Any]) -> AccumState[T]:
-        """Restore a state saved by :meth:`state_dict`; resuming is bit-identical.
+        """Restore a state saved by ``state_dict``; resuming is bit-identical.
 
         Args:
-            state: A state for the current params (from :meth:`init`); it supplies the tree
-                structure and devices, and is not modified.
-            state_dict: What :meth:`state_dict` returned.
+            state: A state for the current params (from [`init()`][gradaccum.Accumulator.init]); it
+                supplies the tree structure and devices, and is not modified.
+            state_dict: What [`state_dict()`][gradaccum.Accumulator.state_dict] returned.
 
         Returns:
             The restored state.
@@ -258,7 +262,7 @@ def check_n(where: str, n: object) -> int:
 
 
 def check_state(where: str, state: object) -> None:
-    """Validate that ``state`` is an :class:`AccumState`."""
+    """Validate that ``state`` is an [`AccumState`][gradaccum.AccumState]."""
     if not isinstance(state, AccumState) or not isinstance(state.layout, _Layout):
         raise TypeError(
             f"{where}: state must be an AccumState (from Accumulator.init, add or finalize), got "

@@ -30,7 +30,7 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
 
 
 def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
-    """Inverse of :func:`flatten`."""
+    """Inverse of ``flatten``."""
     return optree.tree_unflatten(spec, leaves)
 
 

@@ -33,7 +33,23 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class LeafDiff:
-    """How one gradient leaf differs: key path, dtype, max absolute error, scale, verdict."""
+    """How one gradient leaf differs from the whole-batch reference.
+
+    Attributes:
+        path: The leaf's key path, e.g. ``['layer']['weight']``.
+        dtype: The reference gradient's dtype (it selects the default tolerances).
+        max_abs_err: ``max |accumulated - reference|`` over the leaf.
+        scale: ``max |reference|`` over the leaf.
+        rtol: The relative tolerance used.
+        atol: The absolute tolerance used.
+
+    Examples:
+        >>> import torch
+        >>> from gradaccum.testing import LeafDiff
+        >>> d = LeafDiff("['w']", torch.float64, max_abs_err=1e-12, scale=2.0, rtol=1e-10, atol=0)
+        >>> d.ok, d.rel_err
+        (True, 5e-13)
+    """
 
     path: str
     dtype: torch.dtype
@@ -59,7 +75,21 @@ class LeafDiff:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The result of :func:`compare`: one :class:`LeafDiff` per gradient leaf."""
+    """The result of [`compare()`][gradaccum.testing.compare]: one ``LeafDiff`` per leaf.
+
+    Attributes:
+        leaves: One [`LeafDiff`][gradaccum.testing.LeafDiff] per gradient leaf, in flat order.
+        n: The number of micro-batches compared.
+
+    Examples:
+        >>> import torch, gradaccum.testing
+        >>> from torch.func import grad
+        >>> loss = lambda p, b: (b @ p).pow(2).mean()
+        >>> p, b = torch.ones(3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+        >>> result = gradaccum.testing.compare(grad(loss), p, b, n=2)
+        >>> result.ok, result.worst.path, len(result.leaves)
+        (True, '<root>', 1)
+    """
 
     leaves: tuple[LeafDiff, ...]
     n: int
@@ -103,10 +133,10 @@ def compare(
 
     The reference is ``step_fn(params, batch, *args)``; with ``reduction="count"`` it is divided
     by the whole batch's count, and with ``reduction="sum"`` it is the sum, as
-    :func:`gradaccum.accumulate` defines them.
+    [`accumulate()`][gradaccum.accumulate] defines them.
 
     Args:
-        step_fn: The gradient function, as given to :func:`gradaccum.accumulate`.
+        step_fn: The gradient function, as given to [`accumulate()`][gradaccum.accumulate].
         params: The parameters pytree (first argument of ``step_fn``).
         batch: The whole batch (second argument).
         n: Micro-batches to split it into.
@@ -114,13 +144,13 @@ def compare(
         rtol: Relative tolerance; default chosen per dtype (float64 1e-10, float32 1e-5,
             float16 5e-3, bfloat16 2e-2).
         atol: Absolute tolerance; default chosen per dtype.
-        **accumulate_kwargs: Keywords for :func:`gradaccum.accumulate` (``has_aux``,
+        **accumulate_kwargs: Keywords for [`accumulate()`][gradaccum.accumulate] (``has_aux``,
             ``reduction``, ``count``...).
 
     Returns:
-        A :class:`Comparison`; ``str()`` of it names the worst leaf.
+        A [`Comparison`][gradaccum.testing.Comparison]; ``str()`` of it names the worst leaf.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum.testing
         >>> from torch.func import grad
         >>> loss = lambda p, b: (b @ p).pow(2).mean()
@@ -169,9 +199,11 @@ def assert_equivalent(
     atol: float | None = None,
     **accumulate_kwargs: Any,
 ) -> Comparison:
-    """Like :func:`compare`, but raise ``AssertionError`` naming the worst leaf when they differ.
+    """Like ``compare``, but raise ``AssertionError`` naming the worst leaf when they differ.
 
-    Example:
+    See [`compare()`][gradaccum.testing.compare] for the arguments.
+
+    Examples:
         >>> import torch, gradaccum.testing
         >>> from torch.func import grad
         >>> loss = lambda p, b: (b @ p).pow(2).mean()
@@ -192,7 +224,7 @@ def nonfinite(grads: Any) -> list[str]:
 
     This synchronises with the device once per leaf; call it for debugging, not every step.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum.testing
         >>> grads = {"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])}
         >>> gradaccum.testing.nonfinite(grads)
@@ -209,7 +241,7 @@ def nonfinite(grads: Any) -> list[str]:
 def assert_finite(grads: Any) -> None:
     """Raise ``AssertionError`` listing the key paths of non-finite gradient leaves, if any.
 
-    Example:
+    Examples:
         >>> import torch, gradaccum.testing
         >>> gradaccum.testing.assert_finite({"w": torch.ones(3)})
     """

@@ -284,3 +284,26 @@ def test_compiling_the_accumulated_function_matches_eager_without_graph_breaks()
     assert explanation.graph_break_count == 0
     got = torch.compile(step, backend="aot_eager")(params, batch)
     assert max_diff(got, ref) < TIGHT
+
+
+def test_compiled_accumulated_function_survives_dynamic_then_uneven_batches() -> None:
+    params = mlp_params()
+    torch._dynamo.reset()
+    step = torch.compile(gradaccum.accumulate(grad(mean_loss), 4), backend="aot_eager")
+    for rows in (64, 62, 61, 64):  # 62 makes Dynamo go dynamic; 61 and 62 split unevenly
+        batch = regression_batch(rows)
+        assert max_diff(step(params, batch), grad(mean_loss)(params, batch)) < TIGHT
+
+
+def test_count_leaf_reports_the_total_by_default() -> None:
+    params, batch = mlp_params(), token_batch(16)
+    step = gradaccum.accumulate(
+        grad_and_value(token_sum_loss, has_aux=True),
+        4,
+        has_aux=True,
+        reduction="count",
+        count=lambda aux: aux[1],
+    )
+    _, (loss, tokens) = step(params, batch)
+    assert float(tokens) == float(batch["mask"].sum())
+    assert abs(float(loss - token_mean_loss(params, batch))) < TIGHT
