@@ -30,9 +30,6 @@ __all__ = ["AUX_REDUCTIONS", "REDUCTIONS", "AuxAccumulator", "Reduction", "check
 Reduction = Literal["mean", "sum", "count"]
 """How gradients of the micro-batches combine: ``"mean"``, ``"sum"`` or ``"count"``."""
 
-AuxReduction = Literal["mean", "sum", "count", "concat", "stack", "last"]
-"""How one aux leaf combines over micro-batches."""
-
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "count")
 AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "count", "concat", "stack", "last")
 
