@@ -151,20 +151,15 @@ def accumulate(
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
         for mb, rows in micro:
             out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
-            if has_aux:
-                grads, aux = _unpack(call, out)
-                raw = count(aux) if count is not None else None
-                items = _reduce.check_count(call, raw) if count is not None else None
-                alpha, weight = _state.micro_weight(call, reduction, rows, items)
-                state = _state.add_grads(call, state, grads, alpha, weight)
-                assert aux_acc is not None
+            grads, aux = _unpack(call, out) if has_aux else (out, None)
+            raw = count(aux) if count is not None else None
+            items = _reduce.check_count(call, raw) if count is not None else None
+            alpha, weight = _state.micro_weight(call, reduction, rows, items)
+            state = _state.add_grads(call, state, grads, alpha, weight)
+            if aux_acc is not None:
                 aux_acc.add(aux, rows, items, raw)
-                del grads, aux, raw
-            else:
-                alpha, weight = _state.micro_weight(call, reduction, rows, None)
-                state = _state.add_grads(call, state, out, alpha, weight)
             # Drop this micro-batch's outputs (and any graph they hold) before the next runs.
-            del out, mb
+            del out, mb, grads, aux, raw
         # The boundary: the one step where synchronisation and boundary transforms plug in.
         grads, _ = _state.finalize(call, reduction, state)
         if aux_acc is not None:
@@ -177,12 +172,11 @@ def accumulate(
 
 
 def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[int, ...]:
-    for label, value in (("batch_argnum", batch_argnum),):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(
-                f"{where}: {label} must be a non-negative int (a positional index), got "
-                f"{describe(value)}."
-            )
+    if isinstance(batch_argnum, bool) or not isinstance(batch_argnum, int) or batch_argnum < 0:
+        raise TypeError(
+            f"{where}: batch_argnum must be a non-negative int (a positional index), got "
+            f"{describe(batch_argnum)}."
+        )
     if isinstance(argnums, int) and not isinstance(argnums, bool):
         nums: tuple[int, ...] = (argnums,)
     elif (

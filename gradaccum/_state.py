@@ -349,7 +349,8 @@ def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
     """Flatten ``grads`` and check it against the layout; the message names the key path."""
     leaves, spec = _tree.flatten(grads)
     if spec == lay.spec:
-        # Fast path: one tuple comparison each for shapes and dtypes (no per-leaf branching).
+        # Fast path: one tuple comparison for the shapes, one pass for floating dtypes; the
+        # slow path below runs only to name the offending leaf.
         try:
             if tuple(g.shape for g in leaves) == lay.shapes and all(
                 g.is_floating_point() for g in leaves
