@@ -6,27 +6,43 @@ happens once, at the accumulation boundary.
 
 from . import testing as testing
 from ._accumulate import accumulate as accumulate
+from ._boundary import LossScale as LossScale
+from ._boundary import LossScaleState as LossScaleState
+from ._boundary import clip_by_global_norm as clip_by_global_norm
 from ._errors import GradAccumError as GradAccumError
 from ._module import buffers_of as buffers_of
 from ._module import call_module as call_module
 from ._module import params_of as params_of
 from ._module import update_buffers as update_buffers
 from ._module import write_grads as write_grads
+from ._record import Collective as Collective
+from ._record import record_collectives as record_collectives
 from ._split import MicroBatches as MicroBatches
 from ._state import AccumState as AccumState
 from ._state import Accumulator as Accumulator
+from ._sync import AllReduce as AllReduce
+from ._sync import Bucket as Bucket
+from ._sync import all_reduce as all_reduce
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumState",
     "Accumulator",
+    "AllReduce",
+    "Bucket",
+    "Collective",
     "GradAccumError",
+    "LossScale",
+    "LossScaleState",
     "MicroBatches",
     "accumulate",
+    "all_reduce",
     "buffers_of",
     "call_module",
+    "clip_by_global_norm",
     "params_of",
+    "record_collectives",
     "update_buffers",
     "write_grads",
 ]

@@ -13,6 +13,7 @@ import torch
 
 from . import _reduce, _split, _state
 from ._errors import describe
+from ._sync import AllReduce
 
 __all__ = ["accumulate"]
 
@@ -31,6 +32,7 @@ def accumulate(
     argnums: int | tuple[int, ...] = 0,
     batch_argnum: int = 1,
     accum_dtype: torch.dtype | None = None,
+    sync: AllReduce | None = None,
 ) -> Callable[P, R]:
     """Turn a gradient function into one that accumulates over ``n`` micro-batches.
 
@@ -73,6 +75,15 @@ def accumulate(
         accum_dtype: Dtype of the accumulator. Default: float32 for float16/bfloat16
             gradients, the gradient dtype otherwise. Gradients are returned in the dtype of the
             parameters.
+        sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] for data-parallel
+            training: after the last micro-batch (never inside the window; ``n=1`` included)
+            the window's sums and weight are reduced over the process group in one bucketed
+            collective, and the result is the gradient over the *global* batch, exact with
+            unequal rows or counts per rank. A rank's batch may then be shorter than ``n`` rows
+            (one micro-batch per row), or empty (it joins with zero weight and its aux is
+            ``None``). Aux outputs stay per rank. If ``step_fn`` raises on one rank, that rank
+            still joins the boundary and re-raises, and every other rank raises
+            [`GradAccumError`][gradaccum.GradAccumError] instead of hanging.
 
     Returns:
         A function with the signature of ``step_fn`` returning the accumulated ``grads``, or
@@ -84,6 +95,8 @@ def accumulate(
             (at the call of the returned function).
         ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
             match ``params`` (the message names the key path). Nothing is mutated.
+        GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
+            failed during the window, or a collective failed or timed out.
 
     Examples:
         >>> import torch, gradaccum
@@ -131,8 +144,9 @@ def accumulate(
             f"has_aux=True or drop aux_reduction=."
         )
     _reduce.check_aux_reduction(where, aux_reduction)
+    _state.check_sync(where, sync)
     grad_args = _check_argnums(where, argnums, batch_argnum)
-    acc = _state.Accumulator(n, reduction, accum_dtype)
+    acc = _state.Accumulator(n, reduction, accum_dtype, sync)
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
@@ -146,29 +160,45 @@ def accumulate(
             args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
         )
         state = acc.init(target)
-        micro = _split.split(call, args[batch_argnum], n)
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
-        for mb, rows in micro:
-            out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
-            grads, aux = _unpack(call, out) if has_aux else (out, None)
-            raw = count(aux) if count is not None else None
-            items = _reduce.check_count(call, raw) if count is not None else None
-            alpha, weight = _state.micro_weight(call, reduction, rows, items)
-            state = _state.add_grads(call, state, grads, alpha, weight)
-            if aux_acc is not None:
-                aux_acc.add(aux, rows, items, raw)
-            # Drop this micro-batch's outputs (and any graph they hold) before the next runs.
-            del out, mb, grads, aux, raw
-        # The boundary: the one step where synchronisation and boundary transforms plug in.
-        grads, _ = _state.finalize(call, reduction, state)
+        try:
+            micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
+            for mb, rows in micro:
+                out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
+                grads, aux = _unpack(call, out) if has_aux else (out, None)
+                raw = count(aux) if count is not None else None
+                items = _reduce.check_count(call, raw) if count is not None else None
+                alpha, weight = _state.micro_weight(call, reduction, rows, items)
+                state = _state.add_grads(call, state, grads, alpha, weight, sync)
+                if aux_acc is not None:
+                    aux_acc.add(aux, rows, items, raw)
+                # Drop this micro-batch's outputs (and any graph they hold) before the next runs.
+                del out, mb, grads, aux, raw
+        except Exception:
+            if sync is not None:  # join the boundary so the other ranks fail instead of hanging
+                _join_failed(call, reduction, state, sync)
+            raise
+        # The boundary: the one place that communicates (with sync=).
+        grads, _ = _state.finalize(call, reduction, state, sync)
         if aux_acc is not None:
-            return (grads, aux_acc.result())  # type: ignore[return-value]
+            aux_out = aux_acc.result() if state.micro_step else None
+            return (grads, aux_out)  # type: ignore[return-value]
         return grads  # type: ignore[no-any-return]
 
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)
     return accumulated
+
+
+def _join_failed(
+    call: str, reduction: _reduce.Reduction, state: _state.AccumState[Any], sync: AllReduce
+) -> None:
+    """Join the boundary collective flagged as failed; the caller re-raises its own error."""
+    try:
+        _state.finalize(call, reduction, state, sync, failed=True)
+    except Exception:  # noqa: BLE001 - the original error is the one to report
+        pass
 
 
 def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[int, ...]:

@@ -215,10 +215,21 @@ def _join(kind: str, values: Sequence[Any]) -> torch.Tensor:
 
 
 def first_add(
-    grads: list[torch.Tensor], dtypes: Sequence[torch.dtype], alpha: int
+    grads: list[torch.Tensor],
+    dtypes: Sequence[torch.dtype],
+    alpha: int,
+    out: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """New buffers: ``alpha * grads`` in ``dtypes`` (one copy, no memset). Call under no_grad."""
-    sums = [g.to(d, copy=True) for g, d in zip(grads, dtypes)]
+    """``alpha * grads`` in ``dtypes`` (one copy, no memset); call under no_grad.
+
+    Written into ``out`` if given (uninitialised buffers, e.g. views of flat buckets), else into
+    new tensors.
+    """
+    if out is None:
+        sums = [g.to(d, copy=True) for g, d in zip(grads, dtypes)]
+    else:
+        sums = out
+        torch._foreach_copy_(sums, grads)
     if alpha != 1:
         torch._foreach_mul_(sums, alpha)
     return sums

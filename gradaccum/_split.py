@@ -114,11 +114,12 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
     return paths, leaves, spec, rows
 
 
-def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
+def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tuple[Any, int]]:
     """Split ``batch`` into micro-batches; return ``[(micro_batch, rows), ...]``.
 
     ``batch`` may be a [`MicroBatches`][gradaccum.MicroBatches], which is validated and used as
-    given.
+    given. With ``short_ok`` (data-parallel ranks, whose last batch may be short or empty), a
+    batch of fewer than ``n`` rows gives one micro-batch per row, and 0 rows none at all.
     """
     if isinstance(batch, MicroBatches):
         out = []
@@ -133,6 +134,10 @@ def split(where: str, batch: Any, n: int) -> list[tuple[Any, int]]:
         return out
 
     _, leaves, spec, rows = _rows(where, batch)
+    if short_ok:
+        n = min(n, rows)
+        if n == 0:
+            return []
     if rows == 0:
         raise ValueError(
             f"{where}: the batch has 0 rows along dim 0, so there is nothing to accumulate; pass "

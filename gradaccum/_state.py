@@ -15,6 +15,7 @@ import torch
 
 from . import _reduce, _tree
 from ._errors import GradAccumError, describe, dtype_name
+from ._sync import AllReduce
 
 __all__ = ["AccumState", "Accumulator"]
 
@@ -91,6 +92,11 @@ class Accumulator:
         accum_dtype: The dtype of the running sums. Default: float32 for float16/bfloat16
             gradients, the gradient dtype otherwise. Gradients come out of
             [`finalize()`][gradaccum.Accumulator.finalize] in the parameters' dtype.
+        sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] to synchronise
+            over a process group in [`finalize()`][gradaccum.Accumulator.finalize], the only
+            place that communicates. The result is then the gradient over every rank's
+            micro-batches, and a rank whose window is empty may still call ``finalize``
+            (it contributes zero weight).
 
     Examples:
         >>> import torch, gradaccum
@@ -111,6 +117,7 @@ class Accumulator:
     n: int | Callable[[int], int]
     reduction: _reduce.Reduction = "mean"
     accum_dtype: torch.dtype | None = None
+    sync: AllReduce | None = None
 
     @property
     def _where(self) -> str:
@@ -122,6 +129,7 @@ class Accumulator:
             check_n(where, self.n)
         _reduce.check_reduction(where, self.reduction)
         check_accum_dtype(where, self.accum_dtype)
+        check_sync(where, self.sync)
 
     # -- the window ---------------------------------------------------------------------------
 
@@ -181,23 +189,29 @@ class Accumulator:
         where = "Accumulator.add(state, grads)"
         check_state(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
-        return add_grads(where, state, grads, alpha, weight)
+        return add_grads(where, state, grads, alpha, weight, self.sync)
 
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
         """Close the window: return its gradients and a fresh state for the next window.
 
         This is the accumulation boundary. The gradients are in the parameters' dtypes and
-        equal the whole-window gradient under the configured reduction.
+        equal the whole-window gradient under the configured reduction. With ``sync=``, this is
+        where the window's sums and weight are reduced over the process group (every rank must
+        call it, an empty window included), and the result is the gradient over all ranks'
+        micro-batches.
 
         Raises:
-            ValueError: The window holds no micro-batch, or (``count``) its counts add up to 0.
-                Counts given as tensors are not checked (that would synchronise with the
-                device): a zero total then gives non-finite gradients, which
-                [`assert_finite()`][gradaccum.testing.assert_finite] reports.
+            ValueError: The window holds no micro-batch (without ``sync``), or its counts (or,
+                with ``sync``, rows) add up to 0. Without ``sync``, counts given as tensors are
+                not checked (that would synchronise with the device): a zero total then gives
+                non-finite gradients, which [`assert_finite()`][gradaccum.testing.assert_finite]
+                reports.
+            GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
+                failed during the window, or a collective failed or timed out.
         """
         where = f"{self._where}.finalize(state)"
         check_state(where, state)
-        return finalize(where, self.reduction, state)
+        return finalize(where, self.reduction, state, self.sync)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -240,7 +254,7 @@ class Accumulator:
                 or dtypes differ; the message names the first difference) or reduction.
         """
         check_state("Accumulator.load_state_dict(state, state_dict)", state)
-        return load(self.reduction, state, state_dict)
+        return load(self.reduction, state, state_dict, self.sync)
 
 
 # -- the mechanism, shared with accumulate ------------------------------------------------------
@@ -277,6 +291,15 @@ def check_accum_dtype(where: str, dtype: object) -> None:
         raise TypeError(
             f"{where}: accum_dtype must be None or a floating torch.dtype, got {describe(dtype)}; "
             f"pass e.g. accum_dtype=torch.float32."
+        )
+
+
+def check_sync(where: str, sync: object) -> None:
+    """Validate ``sync=``."""
+    if sync is not None and not isinstance(sync, AllReduce):
+        raise TypeError(
+            f"{where}: sync must be None or gradaccum.all_reduce(...), got {describe(sync)}; "
+            f"pass sync=gradaccum.all_reduce() to synchronise over the default process group."
         )
 
 
@@ -402,14 +425,25 @@ def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
 
 
 def add_grads(
-    where: str, state: AccumState[T], grads: T, alpha: int, weight: _reduce.Weight
+    where: str,
+    state: AccumState[T],
+    grads: T,
+    alpha: int,
+    weight: _reduce.Weight,
+    sync: AllReduce | None = None,
 ) -> AccumState[T]:
-    """Validate, then add ``alpha * grads`` into the running sums (allocated on first use)."""
+    """Validate, then add ``alpha * grads`` into the running sums (allocated on first use).
+
+    With ``sync``, the running sums are views into the flat buckets the boundary reduces.
+    """
     lay: _Layout = state.layout
     leaves = _check_grads(where, lay, grads)
     with torch.no_grad():
         if state.sums is None:
-            sums = _tree.unflatten(lay.spec, _reduce.first_add(leaves, lay.accum_dtypes, alpha))
+            out = sync.allocate(lay) if sync is not None else None
+            sums = _tree.unflatten(
+                lay.spec, _reduce.first_add(leaves, lay.accum_dtypes, alpha, out)
+            )
         else:
             sums = state.sums
             _reduce.add_into(_tree.flatten(sums)[0], leaves, alpha)
@@ -417,12 +451,29 @@ def add_grads(
 
 
 def finalize(
-    where: str, reduction: _reduce.Reduction, state: AccumState[T]
+    where: str,
+    reduction: _reduce.Reduction,
+    state: AccumState[T],
+    sync: AllReduce | None = None,
+    failed: bool = False,
 ) -> tuple[T, AccumState[T]]:
-    """The boundary: normalise the running sums, cast to the params dtypes, start a new window.
+    """The boundary: reduce over the group (with ``sync``), normalise, cast, start a new window.
 
-    This is the one place where a cross-process collective and boundary transforms plug in.
+    This is the one place where a cross-process collective is issued. ``failed`` joins the
+    collective on behalf of a rank whose window raised, so that the others raise too.
     """
+    lay: _Layout = state.layout
+    if sync is not None:
+        with torch.no_grad():
+            if state.sums is None:  # an empty window still joins, with zero weight
+                sums = sync.allocate(lay)
+                torch._foreach_zero_(sums)
+            else:
+                sums = _tree.flatten(state.sums)[0]
+            total = sync.reduce(where, reduction, lay, sums, state.weight, failed)
+            _reduce.normalise(reduction, sums, total)
+            out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
+        return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
     if state.sums is None:
         raise ValueError(
             f"{where}: the window holds no micro-batch, so there is no gradient to return; "
@@ -433,7 +484,6 @@ def finalize(
             f"{where}: the window's counts add up to {state.weight}, so there is no item mean to "
             f"divide by; skip windows with no items (e.g. all padding), or use reduction='sum'."
         )
-    lay: _Layout = state.layout
     sums = _tree.flatten(state.sums)[0]
     with torch.no_grad():
         _reduce.normalise(reduction, sums, state.weight)
@@ -488,7 +538,9 @@ def _check_fields(where: str, sd: dict[str, Any]) -> None:
         )
 
 
-def load(reduction: str, state: AccumState[T], sd: dict[str, Any]) -> AccumState[T]:
+def load(
+    reduction: str, state: AccumState[T], sd: dict[str, Any], sync: AllReduce | None = None
+) -> AccumState[T]:
     """Validate ``sd`` completely against ``state``'s layout, then build the restored state."""
     where = "Accumulator.load_state_dict(state, state_dict)"
     lay: _Layout = state.layout
@@ -540,9 +592,15 @@ def load(reduction: str, state: AccumState[T], sd: dict[str, Any]) -> AccumState
             )
     restored = None
     if sums is not None:
-        restored = _tree.unflatten(
-            lay.spec, [s.to(dev, copy=True) for s, dev in zip(sums, lay.devices)]
-        )
+        if sync is not None:  # back into flat buckets, so the boundary stays zero-copy
+            views = sync.allocate(lay)
+            for view, saved in zip(views, sums):
+                view.copy_(saved)
+            restored = _tree.unflatten(lay.spec, views)
+        else:
+            restored = _tree.unflatten(
+                lay.spec, [s.to(dev, copy=True) for s, dev in zip(sums, lay.devices)]
+            )
     weight = sd["weight"]
     if isinstance(weight, torch.Tensor):
         weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)

@@ -1,0 +1,209 @@
+"""Boundary transforms: pure functions on a window's (synchronised) gradients.
+
+They run after the boundary, on what [`accumulate()`][gradaccum.accumulate] or
+[`Accumulator.finalize()`][gradaccum.Accumulator.finalize] returned, and before the optimizer
+step. After an ``all_reduce`` sync the gradients are identical on every rank, so each rank
+computes the same norm and the same found-inf decision without communicating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _tree
+from ._errors import describe
+from ._record import record
+
+__all__ = ["LossScale", "LossScaleState", "clip_by_global_norm"]
+
+T = TypeVar("T")
+
+
+def _leaves(where: str, grads: Any) -> tuple[list[torch.Tensor], _tree.PyTreeSpec]:
+    paths, leaves, spec = _tree.flatten_with_paths(grads)
+    for path, g in zip(paths, leaves):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(
+                f"{where}: gradient leaf {path} is {describe(g)}; every leaf must be a floating "
+                f"tensor. Pass the gradients that accumulate() or Accumulator.finalize() returned."
+            )
+    return leaves, spec
+
+
+def clip_by_global_norm(grads: T, max_norm: float) -> tuple[T, torch.Tensor]:
+    """Scale ``grads`` so that their global 2-norm is at most ``max_norm``.
+
+    The same rule as ``torch.nn.utils.clip_grad_norm_`` (factor
+    ``min(1, max_norm / (norm + 1e-6))``), but pure: new tensors are returned, the input is not
+    modified, and there is no host synchronisation. Apply it to the *window's* gradient, after
+    the boundary, never per micro-batch.
+
+    Args:
+        grads: A pytree of floating tensors.
+        max_norm: The largest allowed global norm, a positive number.
+
+    Returns:
+        ``(clipped, norm)``: the clipped gradients and the global norm before clipping (a 0-dim
+        float tensor, float64 if any leaf is float64, otherwise float32).
+
+    Raises:
+        TypeError: A leaf is not a floating tensor.
+        ValueError: ``max_norm`` is not a positive number.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> clipped, norm = gradaccum.clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
+        >>> norm, clipped["w"]
+        (tensor(5.), tensor([0.6000, 0.8000]))
+    """
+    where = "clip_by_global_norm(grads, max_norm)"
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(
+            f"{where}: max_norm must be a positive number, got {describe(max_norm)}; pass e.g. "
+            f"max_norm=1.0."
+        )
+    leaves, spec = _leaves(where, grads)
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+    if not leaves:
+        return grads, torch.zeros((), dtype=wide)
+    device = leaves[0].device
+    with torch.no_grad():
+        norms = [n.to(device, wide) for n in torch._foreach_norm(leaves)]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        out = [g * factor.to(g.device, g.dtype) for g in leaves]
+    return _tree.unflatten(spec, out), total
+
+
+class LossScaleState(NamedTuple):
+    """The dynamic loss scale between windows (a pytree: checkpoint it with the model).
+
+    Attributes:
+        scale: Multiply the loss by this before differentiating.
+        good_steps: Consecutive finite windows since the scale last changed.
+
+    Examples:
+        >>> import gradaccum
+        >>> gradaccum.LossScale(init_scale=256.0).init()
+        LossScaleState(scale=256.0, good_steps=0)
+    """
+
+    scale: float
+    good_steps: int
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling for float16 training, as pure functions over a state.
+
+    The state is a [`LossScaleState`][gradaccum.LossScaleState]. Multiply the loss by
+    ``state.scale`` inside the step function; at the boundary,
+    [`unscale()`][gradaccum.LossScale.unscale] divides the window's gradient by the scale and
+    decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
+    every rank, so the decision is the same everywhere: every rank skips the step or none does.
+    The rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it
+    after ``growth_interval`` finite windows in a row.
+
+    Args:
+        init_scale: The first scale.
+        growth_factor: Factor applied after ``growth_interval`` finite windows.
+        backoff_factor: Factor applied on a non-finite window.
+        growth_interval: Finite windows in a row before the scale grows.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> scaler = gradaccum.LossScale(init_scale=1024.0)
+        >>> state = scaler.init()
+        >>> grads, finite, state = scaler.unscale({"w": torch.tensor([2048.0])}, state)
+        >>> grads["w"], finite, state
+        (tensor([2.]), True, LossScaleState(scale=1024.0, good_steps=1))
+        >>> _, finite, state = scaler.unscale({"w": torch.tensor([float("inf")])}, state)
+        >>> finite, state.scale  # skip this step; the scale backs off
+        (False, 512.0)
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval)"
+        checks: tuple[tuple[str, float, Callable[[float], bool], str], ...] = (
+            ("init_scale", self.init_scale, lambda v: v > 0, "a positive number"),
+            ("growth_factor", self.growth_factor, lambda v: v >= 1, "a number >= 1"),
+            ("backoff_factor", self.backoff_factor, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        )
+        for name, value, ok, what in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"{where}: {name} must be {what}, got {describe(value)}.")
+        interval = self.growth_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"{where}: growth_interval must be a positive int, got {describe(interval)}."
+            )
+
+    def init(self) -> LossScaleState:
+        """The state before the first window."""
+        return LossScaleState(float(self.init_scale), 0)
+
+    def unscale(
+        self, grads: T, state: LossScaleState, *, group: Any = None
+    ) -> tuple[T, bool, LossScaleState]:
+        """Divide the window's gradients by the scale; decide whether to take the step.
+
+        Args:
+            grads: The window's gradients (of the scaled loss).
+            state: The current [`LossScaleState`][gradaccum.LossScaleState].
+            group: ``None``: decide from these gradients alone (enough after an ``all_reduce``
+                sync, where they are identical on every rank). A process group: also agree
+                over it with one one-element ``all_reduce`` (for gradients that differ per rank,
+                e.g. shards).
+
+        Returns:
+            ``(grads, finite, new_state)``: the unscaled gradients (new tensors), whether every
+            element is finite on every rank (skip the optimizer step when not), and the next
+            state. Reading ``finite`` synchronises with the device once per window.
+
+        Raises:
+            TypeError: A leaf is not a floating tensor, or ``state`` is not a LossScaleState.
+        """
+        where = "LossScale.unscale(grads, state)"
+        if not isinstance(state, LossScaleState):
+            raise TypeError(
+                f"{where}: state must be a LossScaleState, got {describe(state)}; start with "
+                f"state = scaler.init() and pass on the state unscale() returns."
+            )
+        leaves, spec = _leaves(where, grads)
+        with torch.no_grad():
+            inv = 1.0 / state.scale
+            out = [g * inv for g in leaves]
+            if out:
+                device = out[0].device
+                peaks = torch.stack([m.to(device, torch.float32) for m in _amax(out)])
+                bad = (~torch.isfinite(peaks)).any().to(torch.float32).reshape(1)
+            else:
+                bad = torch.zeros(1)
+            if group is not None:
+                record("all_reduce", group, bad.dtype, 1, "found_inf")
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+            finite = not bool(bad.item())
+        if finite:
+            good = state.good_steps + 1
+            if good >= self.growth_interval:
+                new = LossScaleState(state.scale * self.growth_factor, 0)
+            else:
+                new = LossScaleState(state.scale, good)
+        else:
+            new = LossScaleState(state.scale * self.backoff_factor, 0)
+        return _tree.unflatten(spec, out), finite, new
+
+
+def _amax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Max absolute value per tensor (NaN propagates; no overflow for finite values)."""
+    return list(torch._foreach_norm(tensors, float("inf")))

@@ -1,0 +1,79 @@
+"""Visibility: every collective gradaccum issues is recorded here first."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Collective", "record", "record_collectives"]
+
+_LOGS: list[list[Collective]] = []
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective issued by gradaccum, as logged by a recorder.
+
+    [`record_collectives()`][gradaccum.record_collectives] yields a list of them.
+
+    Attributes:
+        kind: The torch.distributed function: ``"all_reduce"``, ``"all_gather_object"``.
+        group: The process group it ran on (``torch.distributed.group.WORLD`` for the default).
+        dtype: The dtype of the tensor on the wire.
+        numel: Elements on the wire (0 for object collectives, whose size is not known).
+        nbytes: Bytes on the wire: ``numel`` times the element size.
+        purpose: ``"gradients"`` (a boundary bucket), ``"fingerprint"`` (the tree check),
+            ``"found_inf"`` (a loss-scaling decision).
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> c = gradaccum.Collective("all_reduce", None, torch.float32, 10, 40, "gradients")
+        >>> c.nbytes
+        40
+    """
+
+    kind: str
+    group: Any
+    dtype: torch.dtype
+    numel: int
+    nbytes: int
+    purpose: str
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[Collective]]:
+    """Record the collectives gradaccum issues inside the ``with`` block.
+
+    Yields a list that fills with one [`Collective`][gradaccum.Collective] per collective, in
+    the order they are issued (nested blocks each see all of them). Nothing is recorded for
+    collectives other code issues.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> with gradaccum.record_collectives() as log:
+        ...     grads = gradaccum.accumulate(lambda p, b: {"w": b.sum() * p["w"]}, n=2)(
+        ...         {"w": torch.ones(1)}, torch.ones(4))
+        >>> log  # one process, no sync: nothing on the wire
+        []
+    """
+    log: list[Collective] = []
+    _LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _LOGS.remove(log)
+
+
+def record(kind: str, group: Any, dtype: torch.dtype, numel: int, purpose: str) -> None:
+    """Log one collective in every active [`record_collectives()`][gradaccum.record_collectives]."""
+    if not _LOGS:
+        return
+    item = Collective(
+        kind, group, dtype, numel, numel * torch.empty((), dtype=dtype).element_size(), purpose
+    )
+    for log in _LOGS:
+        log.append(item)

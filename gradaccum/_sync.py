@@ -1,0 +1,460 @@
+"""The boundary: explicit torch.distributed collectives over flat gradient buckets.
+
+Nothing here runs inside a window. At the boundary the running sums (which, under a sync, are
+views into flat contiguous buckets allocated by [`AllReduce`][gradaccum.AllReduce]) are summed
+over the process group with one asynchronous ``all_reduce`` per bucket, in place. The last
+bucket of the widest dtype carries two more elements, the window's weight (rows or counts) and a
+"this rank failed" flag, so normalisation by the global weight needs no extra round trip.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from ._errors import GradAccumError, describe, dtype_name
+from ._record import record
+
+__all__ = ["AllReduce", "Bucket", "all_reduce"]
+
+Check = Literal["first", "always", "never"]
+_TAIL = 2  # [weight, failed]
+_CHECKS = ("first", "always", "never")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat bucket of the boundary all-reduce, as reported by a dry run.
+
+    [`AllReduce.plan()`][gradaccum.AllReduce.plan] returns them, in the order they are reduced.
+
+    Attributes:
+        dtype: The bucket's dtype (the accumulation dtype of its leaves).
+        device: Where the bucket lives.
+        paths: Key paths of the gradient leaves in the bucket, in flat order.
+        numel: Elements on the wire, the two-element tail included.
+        nbytes: Bytes on the wire.
+        tail: Whether the bucket carries the window's weight and failure flag.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> (bucket,) = gradaccum.all_reduce().plan({"w": torch.zeros(3, dtype=torch.float64)})
+        >>> bucket.paths, bucket.numel, bucket.nbytes, bucket.tail
+        (("['w']",), 5, 40, True)
+    """
+
+    dtype: torch.dtype
+    device: torch.device
+    paths: tuple[str, ...]
+    numel: int
+    nbytes: int
+    tail: bool
+
+
+@dataclass(frozen=True)
+class _Plan:
+    buckets: tuple[Bucket, ...]
+    members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
+    offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
+    grad_numel: tuple[int, ...]  # elements per bucket before the tail
+    description: tuple[str, ...]  # what the fingerprint covers, one line per item
+
+
+@dataclass(frozen=True, eq=False)
+class AllReduce:
+    """Data-parallel synchronisation at the accumulation boundary.
+
+    Make one with [`all_reduce()`][gradaccum.all_reduce] and pass it as ``sync=`` to
+    [`accumulate()`][gradaccum.accumulate] or [`Accumulator`][gradaccum.Accumulator]. See
+    [`all_reduce()`][gradaccum.all_reduce] for the options and the contract. It remembers which
+    gradient layouts it has verified across ranks and their bucket plans, so build it once and
+    reuse it for every window.
+
+    Examples:
+        >>> import gradaccum
+        >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)
+        AllReduce(group=None, bucket_mb=50.0, check='first', timeout=120.0)
+    """
+
+    group: Any = None
+    bucket_mb: float = 25.0
+    check: Check = "first"
+    timeout: float | None = None
+    _plans: dict[Any, _Plan] = field(default_factory=dict, repr=False, compare=False)
+    _verified: set[Any] = field(default_factory=set, repr=False, compare=False)
+
+    # -- planning (no communication) ----------------------------------------------------------
+
+    def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
+        """The buckets the boundary would all-reduce for gradients shaped like ``params``.
+
+        A dry run: nothing is communicated and torch.distributed need not be initialised.
+
+        Args:
+            params: The params pytree (the gradients' shape).
+            accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
+
+        Returns:
+            The [`Bucket`][gradaccum.Bucket]s, in the order they are reduced.
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> sync = gradaccum.all_reduce(bucket_mb=1)
+            >>> params = {"w": torch.zeros(300_000), "b": torch.zeros(10)}
+            >>> [(b.paths, b.numel) for b in sync.plan(params)]
+            [(("['b']",), 10), (("['w']",), 300002)]
+        """
+        from ._state import make_layout
+
+        return self.layout_plan(make_layout("AllReduce.plan(params)", params, accum_dtype)).buckets
+
+    def layout_plan(self, lay: Any) -> _Plan:
+        """The plan for a gradient layout (cached)."""
+        plan = self._plans.get(lay)
+        if plan is None:
+            plan = _make_plan(lay, int(self.bucket_mb * 2**20))
+            self._plans[lay] = plan
+        return plan
+
+    def allocate(self, lay: Any) -> list[torch.Tensor]:
+        """Uninitialised running sums for ``lay``: views into fresh flat buckets."""
+        plan = self.layout_plan(lay)
+        views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
+        for b, members, offsets, numel in zip(
+            plan.buckets, plan.members, plan.offsets, plan.grad_numel
+        ):
+            buf = torch.empty(numel + (_TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+            for i, off in zip(members, offsets):
+                views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+        return views
+
+    # -- the boundary -------------------------------------------------------------------------
+
+    def reduce(
+        self,
+        where: str,
+        reduction: str,
+        lay: Any,
+        sums: list[torch.Tensor],
+        weight: int | float | torch.Tensor,
+        failed: bool = False,
+    ) -> float:
+        """Sum ``sums`` (in place) and ``weight`` over the group; return the global weight.
+
+        Raises GradAccumError on every rank when ranks disagree on the gradient tree, when
+        another rank failed during the window, or when a collective fails or times out.
+        """
+        group, rank, world = self._group(where)
+        plan = self.layout_plan(lay)
+        if self.check == "always" or (self.check == "first" and lay not in self._verified):
+            self._verify(where, plan, reduction, group, rank, world, sums)
+            self._verified.add(lay)
+        bufs, packed = [], []
+        for k, (b, members, offsets, numel) in enumerate(
+            zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
+        ):
+            buf = _bucket_of([sums[i] for i in members], offsets, numel, b)
+            if buf is None:  # the sums are not views of one bucket (e.g. a hand-built state)
+                buf = torch.empty(numel + (_TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+                for i, off in zip(members, offsets):
+                    buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
+                packed.append(k)
+            if b.tail:
+                tail = buf[numel:]
+                if isinstance(weight, torch.Tensor):
+                    tail[:1].copy_(weight.reshape(1))
+                else:
+                    tail[0] = weight
+                tail[1] = 1.0 if failed else 0.0
+            bufs.append(buf)
+        works = []
+        for k, (b, buf) in enumerate(zip(plan.buckets, bufs)):
+            record("all_reduce", group, b.dtype, buf.numel(), "gradients")
+            works.append(self._launch(where, k, plan, buf, group))
+        for k, work in enumerate(works):
+            self._wait(where, k, plan, work, rank)
+        for k in packed:
+            b, buf = plan.buckets[k], bufs[k]
+            for i, off in zip(plan.members[k], plan.offsets[k]):
+                sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
+        tail_k = next(k for k, b in enumerate(plan.buckets) if b.tail)
+        total, n_failed = bufs[tail_k][plan.grad_numel[tail_k] :].tolist()
+        if n_failed and not failed:
+            raise GradAccumError(
+                f"{where}: {int(n_failed)} other rank(s) of the {world} in the group raised an "
+                f"error during this window (rank {rank} did not); no gradient is returned on any "
+                f"rank. The cause is in the failing rank's traceback."
+            )
+        if not failed and reduction != "sum" and total <= 0:
+            raise ValueError(
+                f"{where}: the window's {'counts' if reduction == 'count' else 'rows'} add up to "
+                f"{total:g} over all {world} ranks, so there is no mean to divide by; skip windows "
+                f"with no items on any rank (e.g. all padding), or use reduction='sum'."
+            )
+        return float(total)
+
+    def _group(self, where: str) -> tuple[Any, int, int]:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{where}: sync=all_reduce() needs torch.distributed initialised, but no process "
+                f"group exists; call torch.distributed.init_process_group(...) first (torchrun "
+                f"sets the environment for it), or drop sync= to train in one process."
+            )
+        group = self.group if self.group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                f"{where}: this process (global rank {dist.get_rank()}) is not a member of the "
+                f"sync group {_name(group)}; build the sync with a group this rank belongs to "
+                f"(every rank must call dist.new_group with the same ranks)."
+            )
+        return group, rank, dist.get_world_size(group)
+
+    def _launch(self, where: str, k: int, plan: _Plan, buf: torch.Tensor, group: Any) -> Any:
+        try:
+            return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        except RuntimeError as err:
+            raise self._failure(where, k, plan, dist.get_rank(group), err) from err
+
+    def _wait(self, where: str, k: int, plan: _Plan, work: Any, rank: int) -> None:
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            raise self._failure(where, k, plan, rank, err) from err
+
+    def _failure(
+        self, where: str, k: int, plan: _Plan, rank: int, err: Exception
+    ) -> GradAccumError:
+        b = plan.buckets[k]
+        limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+        return GradAccumError(
+            f"{where}: the boundary all_reduce of bucket {k + 1}/{len(plan.buckets)} "
+            f"({b.nbytes} bytes of {dtype_name(b.dtype)}) failed on rank {rank}: "
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. A peer process "
+            f"died, failed before the boundary, or did not reach it in time (timeout: {limit}); "
+            f"every rank must call the accumulated function the same number of times. "
+            f"The process group cannot be reused: destroy it and restart from a checkpoint."
+        )
+
+    def _verify(
+        self,
+        where: str,
+        plan: _Plan,
+        reduction: str,
+        group: Any,
+        rank: int,
+        world: int,
+        sums: list[torch.Tensor],
+    ) -> None:
+        """Exchange a fingerprint of the tree, reduction and buckets; on mismatch, name it."""
+        desc = (*plan.description, f"reduction={reduction!r}")
+        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
+        h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
+        device = plan.buckets[0].device
+        probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
+        record("all_reduce", group, torch.int64, 2, "fingerprint")
+        try:
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        except RuntimeError as err:
+            raise GradAccumError(
+                f"{where}: the fingerprint exchange with the other ranks failed on rank {rank}: "
+                f"{str(err).splitlines()[0]}. A peer process died or never reached the boundary."
+            ) from err
+        hi, neg_lo = probe.tolist()
+        if hi == -neg_lo:
+            return
+        gathered: list[Any] = [None] * world
+        record("all_gather_object", group, torch.uint8, 0, "fingerprint")
+        dist.all_gather_object(gathered, desc, group=group)
+        diffs = []
+        for r, other in enumerate(gathered):
+            if r == rank or other == desc:
+                continue
+            mine, theirs = _first_diff(desc, other)
+            diffs.append(f"rank {rank} has {mine} but rank {r} has {theirs}")
+        raise GradAccumError(
+            f"{where}: the ranks disagree on the gradients to synchronise: {'; '.join(diffs)}. "
+            f"Every rank must pass params with the same key paths, shapes and dtypes, and the "
+            f"same reduction and sync options; nothing was reduced."
+        )
+
+
+def all_reduce(
+    group: Any = None,
+    *,
+    bucket_mb: float = 25.0,
+    check: Check = "first",
+    timeout: float | None = None,
+) -> AllReduce:
+    """Average (or sum) accumulated gradients over a process group, once per window.
+
+    Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
+    [`Accumulator`][gradaccum.Accumulator]. Inside a window nothing is communicated; at the
+    boundary the window's running sums, which already live in flat contiguous buckets, are
+    summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
+    place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
+    bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
+    tokens per rank, and a rank with an empty window contributes zero weight.
+
+    The flat order of leaves is optree's (dict keys sorted), so it is the same on every rank
+    whatever the dict insertion order.
+
+    Args:
+        group: The process group; ``None`` for the default (world) group.
+        bucket_mb: Bucket size cap in MiB (leaves are never split; a larger leaf gets a bucket
+            of its own). Fewer, larger buckets mean fewer collectives.
+        check: ``"first"`` (default): on the first boundary of each gradient layout, the ranks
+            exchange an 8-byte fingerprint of their key paths, shapes, dtypes, reduction and
+            buckets; a mismatch raises [`GradAccumError`][gradaccum.GradAccumError] on every
+            rank, naming the difference. ``"always"``: at every boundary (a debug mode).
+            ``"never"``: skip it.
+        timeout: Seconds to wait for each boundary collective before raising
+            [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
+            timeout.
+
+    Returns:
+        An [`AllReduce`][gradaccum.AllReduce]; its [`plan()`][gradaccum.AllReduce.plan] reports
+        the buckets without communicating.
+
+    Raises:
+        ValueError: ``bucket_mb`` is not positive, ``check`` is not one of its names, or
+            ``timeout`` is not positive.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> sync = gradaccum.all_reduce(bucket_mb=25)
+        >>> [b.numel for b in sync.plan({"w": torch.zeros(4, 3), "b": torch.zeros(4)})]
+        [18]
+
+    See Also:
+        [`record_collectives()`][gradaccum.record_collectives] to count what is communicated.
+    """
+    where = "all_reduce(group, bucket_mb=..., check=..., timeout=...)"
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(
+            f"{where}: bucket_mb must be a positive number of MiB, got {describe(bucket_mb)}; "
+            f"pass e.g. bucket_mb=25 (DDP's default)."
+        )
+    if not isinstance(check, str) or check not in _CHECKS:
+        raise ValueError(
+            f"{where}: check must be one of {', '.join(map(repr, _CHECKS))}, got "
+            f"{describe(check)}; 'first' verifies the trees agree once, 'always' at every "
+            f"boundary."
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
+        raise ValueError(
+            f"{where}: timeout must be None or a positive number of seconds, got "
+            f"{describe(timeout)}; pass e.g. timeout=60."
+        )
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"{where}: group must be None (the default group) or a torch.distributed "
+            f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
+        )
+    return AllReduce(group, float(bucket_mb), check, None if timeout is None else float(timeout))
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _name(group: Any) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "the default group"
+    return f"group {getattr(group, 'group_name', '?')!r}"
+
+
+def _make_plan(lay: Any, cap: int) -> _Plan:
+    """Group leaves by (device, dtype) in flat order, then cut into buckets of at most ``cap``."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (dev, dt) in enumerate(zip(lay.devices, lay.accum_dtypes)):
+        groups.setdefault((dev, dt), []).append(i)
+    cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
+    for (dev, dt), idx in groups.items():
+        size = torch.empty((), dtype=dt).element_size()
+        current: list[int] = []
+        used = 0
+        for i in idx:
+            nbytes = lay.shapes[i].numel() * size
+            if current and used + nbytes > cap:
+                cut.append((dev, dt, current))
+                current, used = [], 0
+            current.append(i)
+            used += nbytes
+        cut.append((dev, dt, current))
+    if not cut:
+        cut.append((torch.device("cpu"), torch.float64, []))
+    # The weight rides in the last bucket of the widest dtype that counts exactly.
+    wide = [k for k, (_, dt, _) in enumerate(cut) if dt in (torch.float64, torch.float32)]
+    if wide:
+        tail_k = max(wide, key=lambda k: (cut[k][1] == torch.float64, k))
+    else:  # only float16/bfloat16 accumulators: a tiny float32 bucket of its own
+        cut.append((cut[-1][0], torch.float32, []))
+        tail_k = len(cut) - 1
+    buckets, members, offsets, numels = [], [], [], []
+    desc = [
+        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} accumulated in {dtype_name(adt)}"
+        for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
+    ]
+    desc.append(f"{len(lay.paths)} params leaves")
+    for k, (dev, dt, idx) in enumerate(cut):
+        offs, off = [], 0
+        for i in idx:
+            offs.append(off)
+            off += lay.shapes[i].numel()
+        total = off + (_TAIL if k == tail_k else 0)
+        buckets.append(
+            Bucket(
+                dtype=dt,
+                device=dev,
+                paths=tuple(lay.paths[i] for i in idx),
+                numel=total,
+                nbytes=total * torch.empty((), dtype=dt).element_size(),
+                tail=k == tail_k,
+            )
+        )
+        members.append(tuple(idx))
+        offsets.append(tuple(offs))
+        numels.append(off)
+        desc.append(
+            f"bucket {k} of {total} {dtype_name(dt)} elements"
+            f"{' with the weight' if k == tail_k else ''}"
+        )
+    return _Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(numels), tuple(desc))
+
+
+def _bucket_of(
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], numel: int, b: Bucket
+) -> torch.Tensor | None:
+    """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
+    if not leaves:
+        return None
+    base = leaves[0]._base
+    if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
+        return None
+    item = base.element_size()
+    start = base.data_ptr()
+    for leaf, off in zip(leaves, offsets):
+        if leaf._base is not base or leaf.data_ptr() != start + off * item:
+            return None
+    return base
+
+
+def _first_diff(mine: tuple[str, ...], theirs: Any) -> tuple[str, str]:
+    """The first differing line of two plan descriptions, phrased for an error message."""
+    theirs = tuple(theirs) if isinstance(theirs, (tuple, list)) else (repr(theirs),)
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return a, b
+    if len(mine) > len(theirs):
+        return mine[len(theirs)], "nothing there"
+    return "nothing there", theirs[len(mine)]

@@ -1,0 +1,112 @@
+"""Run a function on 2 gloo processes on 127.0.0.1, bounded in time, and collect what each rank
+returned or raised.
+
+Each rank: pins gloo to the loopback interface, initialises the default process group over a
+TCP store on 127.0.0.1 (a free port), runs ``fn(rank, world, *args)``, sends back
+``("ok", value)`` or ``("err", type_name, message)``, and destroys the process group. The parent
+waits at most ``timeout`` seconds, then kills what is left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: Any,
+    pg_timeout: float,
+) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+    try:
+        result: tuple[Any, ...] = ("ok", fn(rank, world, *args))
+    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
+        result = ("err", type(err).__name__, str(err), traceback.format_exc())
+    out.put((rank, result))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001, S110 - a broken group (killed peer) may refuse
+        pass
+
+
+def run(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = WORLD,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+) -> dict[int, tuple[Any, ...]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return ``{rank: result}``.
+
+    A rank that exits without reporting (killed on purpose) is missing from the result.
+    ``fn`` must be importable (a module-level function of a test module).
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, fn, args, out, pg_timeout), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[Any, ...]] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                break
+            try:
+                rank, result = out.get(timeout=min(left, 0.5))
+                results[rank] = result
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and out.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+def values(results: dict[int, tuple[Any, ...]], world: int = WORLD) -> list[Any]:
+    """The value of every rank, failing the test with the rank's traceback if one raised."""
+    missing = [r for r in range(world) if r not in results]
+    assert not missing, f"ranks {missing} did not report (hung or died); got {results}"
+    for r in range(world):
+        assert results[r][0] == "ok", f"rank {r} raised:\n{results[r][3]}"
+    return [results[r][1] for r in range(world)]
