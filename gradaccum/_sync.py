@@ -206,7 +206,8 @@ class AllReduce:
                 f"sets the environment for it), or drop sync= to train in one process."
             )
         group = self.group if self.group is not None else dist.group.WORLD
-        rank = dist.get_rank(group)
+        outside = group is dist.GroupMember.NON_GROUP_MEMBER
+        rank = -1 if outside else dist.get_rank(group)
         if rank < 0:
             raise ValueError(
                 f"{where}: this process (global rank {dist.get_rank()}) is not a member of the "
@@ -356,7 +357,10 @@ def all_reduce(
             f"{where}: timeout must be None or a positive number of seconds, got "
             f"{describe(timeout)}; pass e.g. timeout=60."
         )
-    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+    if group is not None and not (
+        dist.is_available()
+        and (isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER)
+    ):
         raise TypeError(
             f"{where}: group must be None (the default group) or a torch.distributed "
             f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
@@ -370,7 +374,9 @@ def all_reduce(
 def _name(group: Any) -> str:
     if group is None or group is dist.group.WORLD:
         return "the default group"
-    return f"group {getattr(group, 'group_name', '?')!r}"
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here)"
+    return f"{getattr(group, 'group_name', '?')!r}"
 
 
 def _make_plan(lay: Any, cap: int) -> _Plan:

@@ -181,6 +181,21 @@ def _counts(rank: int, world: int) -> dict[str, Any]:
     with gradaccum.record_collectives() as log:
         n1(params, _shard(regression_batch(sum(SPLIT)), rank))
     out["n1"] = len(log)
+    # A subgroup (here: both ranks, but not the default group object) is used as given.
+    sub = dist.new_group([0, 1])
+    step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce(sub))
+    with gradaccum.record_collectives() as log:
+        g = step(params, _shard(regression_batch(sum(SPLIT)), rank))
+    out["subgroup"] = all(c.group is sub for c in log) and len(log) == 2
+    out["subgroup diff"] = max_diff(g, grad(mean_loss)(params, regression_batch(sum(SPLIT))))
+    # A group without this rank is refused before any collective; rank 0 syncs alone.
+    solo = dist.new_group([0])
+    step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce(solo))
+    try:
+        g = step(params, regression_batch(4))
+        out["solo"] = max_diff(g, grad(mean_loss)(params, regression_batch(4)))
+    except ValueError as err:
+        out["solo"] = str(err)
     out["grad_bytes"] = sum(p.numel() * p.element_size() for p in _leaves(params))
     dist.all_reduce = real  # type: ignore[assignment]
     return out
@@ -193,7 +208,8 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
 
 
 def test_collectives_only_at_the_boundary_one_per_bucket() -> None:
-    for out in values(run(_counts)):
+    outs = values(run(_counts))
+    for out in outs:
         plan = out["plan"]
         assert len(plan) >= 3  # the tiny cap splits the MLP into several buckets
         assert sum(b[3] for b in plan) == 1  # one bucket carries the weight
@@ -207,6 +223,14 @@ def test_collectives_only_at_the_boundary_one_per_bucket() -> None:
             assert window["calls"] == len(window["log"])  # the log misses nothing
             assert window["group_is_world"]
         assert out["n1"] == len(plan)  # n=1 still syncs; same layout, already verified
+        assert out["subgroup"]
+        assert out["subgroup diff"] < 1e-12
+    assert outs[0]["solo"] < 1e-15
+    assert outs[1]["solo"] == (
+        "accumulate(mean_loss, n=2)(...): this process (global rank 1) is not a member of the "
+        "sync group (dist.new_group returned GroupMember.NON_GROUP_MEMBER here); build the sync with a group this rank belongs to (every rank must "
+        "call dist.new_group with the same ranks)."
+    )
 
 
 # -- equivalence with torch DDP + no_sync -----------------------------------------------------
