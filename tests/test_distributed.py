@@ -228,8 +228,9 @@ def test_collectives_only_at_the_boundary_one_per_bucket() -> None:
     assert outs[0]["solo"] < 1e-15
     assert outs[1]["solo"] == (
         "accumulate(mean_loss, n=2)(...): this process (global rank 1) is not a member of the "
-        "sync group (dist.new_group returned GroupMember.NON_GROUP_MEMBER here); build the sync with a group this rank belongs to (every rank must "
-        "call dist.new_group with the same ranks)."
+        "sync group (dist.new_group returned GroupMember.NON_GROUP_MEMBER here); build the sync "
+        "with a group this rank belongs to (every rank must call dist.new_group with the same "
+        "ranks)."
     )
 
 
