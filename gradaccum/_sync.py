@@ -17,52 +17,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
 from ._errors import GradAccumError, describe, dtype_name
 from ._record import record
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
 
 Check = Literal["first", "always", "never"]
-_TAIL = 2  # [weight, failed]
 _CHECKS = ("first", "always", "never")
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One flat bucket of the boundary all-reduce, as reported by a dry run.
-
-    [`AllReduce.plan()`][gradaccum.AllReduce.plan] returns them, in the order they are reduced.
-
-    Attributes:
-        dtype: The bucket's dtype (the accumulation dtype of its leaves).
-        device: Where the bucket lives.
-        paths: Key paths of the gradient leaves in the bucket, in flat order.
-        numel: Elements on the wire, the two-element tail included.
-        nbytes: Bytes on the wire.
-        tail: Whether the bucket carries the window's weight and failure flag.
-
-    Examples:
-        >>> import torch, gradaccum
-        >>> (bucket,) = gradaccum.all_reduce().plan({"w": torch.zeros(3, dtype=torch.float64)})
-        >>> bucket.paths, bucket.numel, bucket.nbytes, bucket.tail
-        (("['w']",), 5, 40, True)
-    """
-
-    dtype: torch.dtype
-    device: torch.device
-    paths: tuple[str, ...]
-    numel: int
-    nbytes: int
-    tail: bool
-
-
-@dataclass(frozen=True)
-class _Plan:
-    buckets: tuple[Bucket, ...]
-    members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
-    offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
-    grad_numel: tuple[int, ...]  # elements per bucket before the tail
-    description: tuple[str, ...]  # what the fingerprint covers, one line per item
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +47,7 @@ class AllReduce:
     bucket_mb: float = 25.0
     check: Check = "first"
     timeout: float | None = None
-    _plans: dict[Any, _Plan] = field(default_factory=dict, repr=False, compare=False)
+    _plans: dict[Any, Plan] = field(default_factory=dict, repr=False, compare=False)
     _verified: set[Any] = field(default_factory=set, repr=False, compare=False)
 
     # -- planning (no communication) ----------------------------------------------------------
@@ -113,11 +75,11 @@ class AllReduce:
 
         return self.layout_plan(make_layout("AllReduce.plan(params)", params, accum_dtype)).buckets
 
-    def layout_plan(self, lay: Any) -> _Plan:
+    def layout_plan(self, lay: Any) -> Plan:
         """The plan for a gradient layout (cached)."""
         plan = self._plans.get(lay)
         if plan is None:
-            plan = _make_plan(lay, int(self.bucket_mb * 2**20))
+            plan = make_plan(lay, int(self.bucket_mb * 2**20))
             self._plans[lay] = plan
         return plan
 
@@ -128,7 +90,7 @@ class AllReduce:
         for b, members, offsets, numel in zip(
             plan.buckets, plan.members, plan.offsets, plan.grad_numel
         ):
-            buf = torch.empty(numel + (_TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+            buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
@@ -158,9 +120,9 @@ class AllReduce:
         for k, (b, members, offsets, numel) in enumerate(
             zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
         ):
-            buf = _bucket_of([sums[i] for i in members], offsets, numel, b)
+            buf = bucket_of([sums[i] for i in members], offsets, numel, b)
             if buf is None:  # the sums are not views of one bucket (e.g. a hand-built state)
-                buf = torch.empty(numel + (_TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+                buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
                 for i, off in zip(members, offsets):
                     buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
                 packed.append(k)
@@ -216,13 +178,13 @@ class AllReduce:
             )
         return group, rank, dist.get_world_size(group)
 
-    def _launch(self, where: str, k: int, plan: _Plan, buf: torch.Tensor, group: Any) -> Any:
+    def _launch(self, where: str, k: int, plan: Plan, buf: torch.Tensor, group: Any) -> Any:
         try:
             return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
         except RuntimeError as err:
             raise self._failure(where, k, plan, dist.get_rank(group), err) from err
 
-    def _wait(self, where: str, k: int, plan: _Plan, work: Any, rank: int) -> None:
+    def _wait(self, where: str, k: int, plan: Plan, work: Any, rank: int) -> None:
         try:
             if self.timeout is None:
                 work.wait()
@@ -231,9 +193,7 @@ class AllReduce:
         except RuntimeError as err:
             raise self._failure(where, k, plan, rank, err) from err
 
-    def _failure(
-        self, where: str, k: int, plan: _Plan, rank: int, err: Exception
-    ) -> GradAccumError:
+    def _failure(self, where: str, k: int, plan: Plan, rank: int, err: Exception) -> GradAccumError:
         b = plan.buckets[k]
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
         return GradAccumError(
@@ -248,7 +208,7 @@ class AllReduce:
     def _verify(
         self,
         where: str,
-        plan: _Plan,
+        plan: Plan,
         reduction: str,
         group: Any,
         rank: int,
@@ -377,82 +337,6 @@ def _name(group: Any) -> str:
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here)"
     return f"{getattr(group, 'group_name', '?')!r}"
-
-
-def _make_plan(lay: Any, cap: int) -> _Plan:
-    """Group leaves by (device, dtype) in flat order, then cut into buckets of at most ``cap``."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (dev, dt) in enumerate(zip(lay.devices, lay.accum_dtypes)):
-        groups.setdefault((dev, dt), []).append(i)
-    cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
-    for (dev, dt), idx in groups.items():
-        size = torch.empty((), dtype=dt).element_size()
-        current: list[int] = []
-        used = 0
-        for i in idx:
-            nbytes = lay.shapes[i].numel() * size
-            if current and used + nbytes > cap:
-                cut.append((dev, dt, current))
-                current, used = [], 0
-            current.append(i)
-            used += nbytes
-        cut.append((dev, dt, current))
-    if not cut:
-        cut.append((torch.device("cpu"), torch.float64, []))
-    # The weight rides in the last bucket of the widest dtype that counts exactly.
-    wide = [k for k, (_, dt, _) in enumerate(cut) if dt in (torch.float64, torch.float32)]
-    if wide:
-        tail_k = max(wide, key=lambda k: (cut[k][1] == torch.float64, k))
-    else:  # only float16/bfloat16 accumulators: a tiny float32 bucket of its own
-        cut.append((cut[-1][0], torch.float32, []))
-        tail_k = len(cut) - 1
-    buckets, members, offsets, numels = [], [], [], []
-    desc = [
-        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} accumulated in {dtype_name(adt)}"
-        for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
-    ]
-    desc.append(f"{len(lay.paths)} params leaves")
-    for k, (dev, dt, idx) in enumerate(cut):
-        offs, off = [], 0
-        for i in idx:
-            offs.append(off)
-            off += lay.shapes[i].numel()
-        total = off + (_TAIL if k == tail_k else 0)
-        buckets.append(
-            Bucket(
-                dtype=dt,
-                device=dev,
-                paths=tuple(lay.paths[i] for i in idx),
-                numel=total,
-                nbytes=total * torch.empty((), dtype=dt).element_size(),
-                tail=k == tail_k,
-            )
-        )
-        members.append(tuple(idx))
-        offsets.append(tuple(offs))
-        numels.append(off)
-        desc.append(
-            f"bucket {k} of {total} {dtype_name(dt)} elements"
-            f"{' with the weight' if k == tail_k else ''}"
-        )
-    return _Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(numels), tuple(desc))
-
-
-def _bucket_of(
-    leaves: list[torch.Tensor], offsets: tuple[int, ...], numel: int, b: Bucket
-) -> torch.Tensor | None:
-    """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
-    if not leaves:
-        return None
-    base = leaves[0]._base
-    if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
-        return None
-    item = base.element_size()
-    start = base.data_ptr()
-    for leaf, off in zip(leaves, offsets):
-        if leaf._base is not base or leaf.data_ptr() != start + off * item:
-            return None
-    return base
 
 
 def _first_diff(mine: tuple[str, ...], theirs: Any) -> tuple[str, str]:

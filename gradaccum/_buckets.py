@@ -1,0 +1,133 @@
+"""Flat gradient buckets: which leaves go in which bucket, at which offset (no communication).
+
+Leaves are grouped by (device, accumulation dtype) in optree's flat order (dict keys sorted, so
+the same on every rank) and cut into buckets of at most ``bucket_mb``. The last bucket of the
+widest dtype carries a two-element tail: the window's weight and a "this rank failed" flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._errors import dtype_name
+
+__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "make_plan"]
+
+TAIL = 2  # [weight, failed]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat bucket of the boundary all-reduce, as reported by a dry run.
+
+    [`AllReduce.plan()`][gradaccum.AllReduce.plan] returns them, in the order they are reduced.
+
+    Attributes:
+        dtype: The bucket's dtype (the accumulation dtype of its leaves).
+        device: Where the bucket lives.
+        paths: Key paths of the gradient leaves in the bucket, in flat order.
+        numel: Elements on the wire, the two-element tail included.
+        nbytes: Bytes on the wire.
+        tail: Whether the bucket carries the window's weight and failure flag.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> (bucket,) = gradaccum.all_reduce().plan({"w": torch.zeros(3, dtype=torch.float64)})
+        >>> bucket.paths, bucket.numel, bucket.nbytes, bucket.tail
+        (("['w']",), 5, 40, True)
+    """
+
+    dtype: torch.dtype
+    device: torch.device
+    paths: tuple[str, ...]
+    numel: int
+    nbytes: int
+    tail: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    buckets: tuple[Bucket, ...]
+    members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
+    offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
+    grad_numel: tuple[int, ...]  # elements per bucket before the tail
+    description: tuple[str, ...]  # what the fingerprint covers, one line per item
+
+
+def make_plan(lay: Any, cap: int) -> Plan:
+    """Group leaves by (device, dtype) in flat order, then cut into buckets of at most ``cap``."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (dev, dt) in enumerate(zip(lay.devices, lay.accum_dtypes)):
+        groups.setdefault((dev, dt), []).append(i)
+    cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
+    for (dev, dt), idx in groups.items():
+        size = torch.empty((), dtype=dt).element_size()
+        current: list[int] = []
+        used = 0
+        for i in idx:
+            nbytes = lay.shapes[i].numel() * size
+            if current and used + nbytes > cap:
+                cut.append((dev, dt, current))
+                current, used = [], 0
+            current.append(i)
+            used += nbytes
+        cut.append((dev, dt, current))
+    if not cut:
+        cut.append((torch.device("cpu"), torch.float64, []))
+    # The weight rides in the last bucket of the widest dtype that counts exactly.
+    wide = [k for k, (_, dt, _) in enumerate(cut) if dt in (torch.float64, torch.float32)]
+    if wide:
+        tail_k = max(wide, key=lambda k: (cut[k][1] == torch.float64, k))
+    else:  # only float16/bfloat16 accumulators: a tiny float32 bucket of its own
+        cut.append((cut[-1][0], torch.float32, []))
+        tail_k = len(cut) - 1
+    buckets, members, offsets, numels = [], [], [], []
+    desc = [
+        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} accumulated in {dtype_name(adt)}"
+        for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
+    ]
+    desc.append(f"{len(lay.paths)} params leaves")
+    for k, (dev, dt, idx) in enumerate(cut):
+        offs, off = [], 0
+        for i in idx:
+            offs.append(off)
+            off += lay.shapes[i].numel()
+        total = off + (TAIL if k == tail_k else 0)
+        buckets.append(
+            Bucket(
+                dtype=dt,
+                device=dev,
+                paths=tuple(lay.paths[i] for i in idx),
+                numel=total,
+                nbytes=total * torch.empty((), dtype=dt).element_size(),
+                tail=k == tail_k,
+            )
+        )
+        members.append(tuple(idx))
+        offsets.append(tuple(offs))
+        numels.append(off)
+        desc.append(
+            f"bucket {k} of {total} {dtype_name(dt)} elements"
+            f"{' with the weight' if k == tail_k else ''}"
+        )
+    return Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(numels), tuple(desc))
+
+
+def bucket_of(
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], numel: int, b: Bucket
+) -> torch.Tensor | None:
+    """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
+    if not leaves:
+        return None
+    base = leaves[0]._base
+    if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
+        return None
+    item = base.element_size()
+    start = base.data_ptr()
+    for leaf, off in zip(leaves, offsets):
+        if leaf._base is not base or leaf.data_ptr() != start + off * item:
+            return None
+    return base

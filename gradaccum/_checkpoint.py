@@ -1,0 +1,156 @@
+"""Checkpoints of an accumulator state: a dict of tensors, numbers and strings, validated on load.
+
+``torch.save`` / ``torch.load(..., weights_only=True)`` safe, mid-window included.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from . import _tree
+from ._errors import GradAccumError, describe, dtype_name
+
+if TYPE_CHECKING:
+    from ._state import AccumState
+    from ._sync import AllReduce
+
+__all__ = ["load", "save"]
+
+T = TypeVar("T")
+
+FORMAT = "gradaccum.AccumState/1"
+
+
+def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:
+    """The state as a dict; the running sums are copies."""
+    lay = state.layout
+    return {
+        "format": FORMAT,
+        "reduction": reduction,
+        "paths": list(lay.paths),
+        "shapes": [list(s) for s in lay.shapes],
+        "dtypes": [dtype_name(d) for d in lay.dtypes],
+        "accum_dtypes": [dtype_name(d) for d in lay.accum_dtypes],
+        "sums": None if state.sums is None else [s.clone() for s in _tree.flatten(state.sums)[0]],
+        "weight": state.weight,
+        "micro_step": state.micro_step,
+        "window": state.window,
+    }
+
+
+_FIELDS = (
+    "accum_dtypes",
+    "dtypes",
+    "micro_step",
+    "paths",
+    "reduction",
+    "shapes",
+    "sums",
+    "weight",
+    "window",
+)
+
+
+def _check_fields(where: str, sd: dict[str, Any]) -> None:
+    """Check that a state dict has every field, of the right kind and length."""
+    fix = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
+    missing = [k for k in _FIELDS if k not in sd]
+    if missing:
+        raise GradAccumError(f"{where}: the state dict lacks the keys {missing}{fix}")
+    n = len(sd["paths"])
+    for key, label in (
+        ("shapes", "shapes"),
+        ("dtypes", "dtypes"),
+        ("accum_dtypes", "accum_dtypes"),
+        ("sums", "running sums"),
+    ):
+        if key == "sums" and sd[key] is None:
+            continue
+        if len(sd[key]) != n:
+            raise GradAccumError(
+                f"{where}: the state dict has {n} paths but {len(sd[key])} {label}{fix}"
+            )
+    for key in ("micro_step", "window"):
+        value = sd[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise GradAccumError(
+                f"{where}: {key} must be a non-negative int, got {describe(value)}{fix}"
+            )
+    weight = sd["weight"]
+    if isinstance(weight, bool) or not (
+        isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
+    ):
+        raise GradAccumError(
+            f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}{fix}"
+        )
+
+
+def load(
+    reduction: str, state: AccumState[T], sd: dict[str, Any], sync: AllReduce | None = None
+) -> AccumState[T]:
+    """Validate ``sd`` completely against ``state``'s layout, then build the restored state."""
+    where = "Accumulator.load_state_dict(state, state_dict)"
+    lay = state.layout
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        raise GradAccumError(
+            f"{where}: expected a dict saved by Accumulator.state_dict (format {FORMAT!r}), got "
+            f"{describe(sd) if not isinstance(sd, dict) else 'format ' + repr(sd.get('format'))}"
+            f"; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
+        )
+    _check_fields(where, sd)
+    if sd["reduction"] != reduction:
+        raise GradAccumError(
+            f"{where}: the state was saved with reduction={sd['reduction']!r} but this "
+            f"Accumulator has reduction={reduction!r}; load it into an Accumulator with the same "
+            f"reduction."
+        )
+    saved_paths, paths = list(sd["paths"]), list(lay.paths)
+    if saved_paths != paths:
+        missing = [p for p in paths if p not in saved_paths]
+        extra = [p for p in saved_paths if p not in paths]
+        detail = (
+            (f"params leaves {missing} are not in the saved state" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"saved leaves {extra} are not in the params" if extra else "")
+        )
+        raise GradAccumError(
+            f"{where}: the saved state is for a different params tree: "
+            f"{detail or 'the leaves are in a different order'}; load it for the same params "
+            f"it was saved with."
+        )
+    sums = sd["sums"]
+    for i, path in enumerate(paths):
+        want_shape, want_dtype = list(lay.shapes[i]), dtype_name(lay.dtypes[i])
+        if list(sd["shapes"][i]) != want_shape or sd["dtypes"][i] != want_dtype:
+            raise GradAccumError(
+                f"{where}: params leaf {path} is shape {want_shape} {want_dtype} but the state "
+                f"was saved for shape {list(sd['shapes'][i])} {sd['dtypes'][i]}; load it for the "
+                f"same params it was saved with."
+            )
+        if sums is not None and (
+            not isinstance(sums[i], torch.Tensor)
+            or list(sums[i].shape) != want_shape
+            or sums[i].dtype != lay.accum_dtypes[i]
+        ):
+            raise GradAccumError(
+                f"{where}: saved running sum for {path} is {describe(sums[i])}, expected shape "
+                f"{want_shape} {dtype_name(lay.accum_dtypes[i])} (the accumulation dtype); save "
+                f"and load with the same accum_dtype."
+            )
+    restored = None
+    if sums is not None:
+        if sync is not None:  # back into flat buckets, so the boundary stays zero-copy
+            views = sync.allocate(lay)
+            for view, saved in zip(views, sums):
+                view.copy_(saved)
+            restored = _tree.unflatten(lay.spec, views)
+        else:
+            restored = _tree.unflatten(
+                lay.spec, [s.to(dev, copy=True) for s, dev in zip(sums, lay.devices)]
+            )
+    weight = sd["weight"]
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
+    return type(state)(restored, weight, int(sd["micro_step"]), int(sd["window"]), lay)
