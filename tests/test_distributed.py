@@ -462,3 +462,47 @@ def test_boundary_transforms_agree_across_ranks() -> None:
     assert r0["alone finite"] is True
     assert r1["alone finite"] is False
     assert r0["norm"] == r1["norm"]
+
+
+# -- a law over random splits: any rows per rank, any n per rank, same global gradient ---------
+
+
+def _random_splits(rank: int, world: int, cases: int) -> list[tuple[str, float]]:
+    params = mlp_params(kind="dict")
+    rng = torch.Generator().manual_seed(1234)  # the same draws on both ranks
+    sync = gradaccum.all_reduce()
+    out = []
+    for _ in range(cases):
+        rows = int(torch.randint(1, 30, (), generator=rng))
+        cut = int(torch.randint(0, rows + 1, (), generator=rng))
+        ns = [int(x) for x in torch.randint(1, 6, (2,), generator=rng)]
+        reduction = ("mean", "sum", "count")[int(torch.randint(0, 3, (), generator=rng))]
+        split = (cut, rows - cut)
+        seed = int(torch.randint(0, 10_000, (), generator=rng))
+        if reduction == "count":
+            batch: Any = token_batch(rows, seed=seed)
+            ref = grad(_token_mean)(params, batch)
+            step = gradaccum.accumulate(
+                grad_and_value(token_sum_loss, has_aux=True),
+                ns[rank],
+                has_aux=True,
+                reduction="count",
+                count=lambda aux: aux[1],
+                sync=sync,
+            )
+            g = step(params, _shard(batch, rank, split))[0]
+        else:
+            batch = regression_batch(rows, seed=seed)
+            loss = mean_loss if reduction == "mean" else sum_loss
+            ref = grad(loss)(params, batch)
+            step = gradaccum.accumulate(grad(loss), ns[rank], reduction=reduction, sync=sync)
+            g = step(params, _shard(batch, rank, split))
+        out.append((f"{reduction} rows={split} n={ns}", max_diff(g, ref)))
+    return out
+
+
+def test_any_split_over_ranks_and_micro_batches_gives_the_global_gradient() -> None:
+    for cases in values(run(_random_splits, 40)):
+        assert len(cases) == 40
+        bad = [c for c in cases if not c[1] < 1e-12]
+        assert not bad, bad
