@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -26,8 +27,32 @@ def run_example(name: str, *args: str) -> str:
     return proc.stdout
 
 
-def max_difference(stdout: str) -> float:
-    match = re.search(r"^max parameter difference: (\S+) \(tolerance \S+\) OK$", stdout, re.M)
+def run_torchrun(name: str, *args: str, nproc: int = 2) -> str:
+    """Run ``torchrun --standalone --nproc_per_node <nproc> examples/<name>``; return its stdout.
+
+    Every process treats warnings as errors; gloo stays on the loopback interface.
+    """
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env["PYTHONWARNINGS"] = "error"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*cmd, "--nproc_per_node", str(nproc), str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, (
+        f"torchrun {name} {' '.join(args)} exited with {proc.returncode}\n"
+        f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
+    )
+    return proc.stdout
+
+
+def max_difference(stdout: str, what: str = "max parameter difference:") -> float:
+    pattern = rf"^{re.escape(what)} (\S+) \(tolerance \S+\) OK$"
+    match = re.search(pattern, stdout, re.M)
     assert match, stdout
     return float(match.group(1))
 
@@ -53,4 +78,43 @@ def test_streaming() -> None:
     assert "resumed: window" in stdout
     assert "bit-identical to the uninterrupted run: True" in stdout
     assert "num_batches_tracked == micro-batches seen: True" in stdout
+    assert stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "args", "tol"),
+    [
+        (1, ("--dtype", "float32"), 1e-4),
+        (2, ("--dtype", "float64", "--batch", "45", "-n", "3"), 1e-9),  # 23 and 22 rows
+    ],
+    ids=["1-process-float32", "2-ranks-float64-unequal"],
+)
+def test_ddp(ranks: int, args: tuple[str, ...], tol: float) -> None:
+    pytest.importorskip("tqdm", reason="examples/ddp.py needs the [examples] extra")
+    args = ("--check", "--steps", "10", "--device", "cpu", *args)
+    stdout = run_example("ddp.py", *args) if ranks == 1 else run_torchrun("ddp.py", *args)
+    assert f"{ranks} rank(s), gloo on cpu" in stdout
+    if ranks == 2:
+        assert "global batch 45 rows = [23, 22] per rank" in stdout
+    assert "collectives per step after that: 1: all_reduce of" in stdout
+    assert "collectives while micro-batches ran: 0 " in stdout
+    assert "one all_reduce per bucket per step: True OK" in stdout
+    assert max_difference(stdout) <= tol
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
+def test_causal_lm_tokens(ranks: int) -> None:
+    pytest.importorskip("tqdm", reason="examples/causal_lm_tokens.py needs the [examples] extra")
+    args = ("--steps", "3", "--batch", "20", "-n", "3")
+    run = run_example if ranks == 1 else run_torchrun
+    stdout = run("causal_lm_tokens.py", *args)
+    assert f"{ranks} process(es)" in stdout
+    if ranks == 2:
+        assert "per rank: [10, 10] sequences" in stdout
+    matches = "token-mean gradient matches the whole batch: max difference"
+    assert max_difference(stdout, matches) <= 1e-10
+    shortcut = re.search(r"the shortcut\) is another gradient: max difference (\S+)", stdout)
+    assert shortcut, stdout
+    assert float(shortcut.group(1)) > 1e-4  # the mean of micro-batch means is not the token mean
+    assert max_difference(stdout) <= 1e-9
     assert stdout.rstrip().endswith("OK")
