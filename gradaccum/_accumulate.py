@@ -146,7 +146,6 @@ def accumulate(
     _reduce.check_aux_reduction(where, aux_reduction)
     _state.check_sync(where, sync)
     grad_args = _check_argnums(where, argnums, batch_argnum)
-    acc = _state.Accumulator(n, reduction, accum_dtype, sync)
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
@@ -159,10 +158,11 @@ def accumulate(
         target = (
             args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
         )
-        state = acc.init(target)
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
+        state: _state.AccumState[Any] | None = None
         try:
+            state = _state.AccumState(None, 0, 0, 0, _state.make_layout(call, target, accum_dtype))
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
             for mb, rows in micro:
                 out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
@@ -176,8 +176,8 @@ def accumulate(
                 # Drop this micro-batch's outputs (and any graph they hold) before the next runs.
                 del out, mb, grads, aux, raw
         except Exception:
-            if sync is not None:  # join the boundary so the other ranks fail instead of hanging
-                _join_failed(call, reduction, state, sync)
+            # Join the boundary flagged as failed, so the other ranks raise instead of hanging.
+            _state.abort(call, reduction, state, sync)
             raise
         # The boundary: the one place that communicates (with sync=).
         grads, _ = _state.finalize(call, reduction, state, sync)
@@ -189,16 +189,6 @@ def accumulate(
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)
     return accumulated
-
-
-def _join_failed(
-    call: str, reduction: _reduce.Reduction, state: _state.AccumState[Any], sync: AllReduce
-) -> None:
-    """Join the boundary collective flagged as failed; the caller re-raises its own error."""
-    try:
-        _state.finalize(call, reduction, state, sync, failed=True)
-    except Exception:  # noqa: BLE001 - the original error is the one to report
-        pass
 
 
 def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[int, ...]:

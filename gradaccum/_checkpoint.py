@@ -142,7 +142,7 @@ def load(
     restored = None
     if sums is not None:
         if sync is not None:  # back into flat buckets, so the boundary stays zero-copy
-            views = sync.allocate(lay)
+            views = sync._allocate(lay)
             for view, saved in zip(views, sums):
                 view.copy_(saved)
             restored = _tree.unflatten(lay.spec, views)

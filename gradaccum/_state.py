@@ -212,6 +212,32 @@ class Accumulator:
         check_state(where, state)
         return finalize(where, self.reduction, state, self.sync)
 
+    def abort(self, state: AccumState[T]) -> AccumState[T]:
+        """Give up the current window after an error on this rank.
+
+        With ``sync``, this rank joins the window's boundary collective flagged as failed, so that
+        [`finalize()`][gradaccum.Accumulator.finalize] raises
+        [`GradAccumError`][gradaccum.GradAccumError] on every other rank instead of waiting for
+        the timeout. Call it in an ``except`` block, then re-raise. Without ``sync`` it only
+        discards the window.
+
+        Returns:
+            A fresh state for the next window, as [`finalize()`][gradaccum.Accumulator.finalize]
+            would return.
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> acc = gradaccum.Accumulator(n=2)
+            >>> state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)}, size=1)
+            >>> state = acc.abort(state)
+            >>> state.sums, state.micro_step, state.window
+            (None, 0, 1)
+        """
+        where = f"{self._where}.abort(state)"
+        check_state(where, state)
+        abort(where, self.reduction, state, self.sync)
+        return AccumState(None, 0, 0, state.window + 1, state.layout)
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self, state: AccumState[T]) -> dict[str, Any]:
@@ -425,7 +451,7 @@ def add_grads(
     leaves = _check_grads(where, lay, grads)
     with torch.no_grad():
         if state.sums is None:
-            out = sync.allocate(lay) if sync is not None else None
+            out = sync._allocate(lay) if sync is not None else None
             sums = _tree.unflatten(
                 lay.spec, _reduce.first_add(leaves, lay.accum_dtypes, alpha, out)
             )
@@ -451,11 +477,11 @@ def finalize(
     if sync is not None:
         with torch.no_grad():
             if state.sums is None:  # an empty window still joins, with zero weight
-                sums = sync.allocate(lay)
+                sums = sync._allocate(lay)
                 torch._foreach_zero_(sums)
             else:
                 sums = _tree.flatten(state.sums)[0]
-            total = sync.reduce(where, reduction, lay, sums, state.weight, failed)
+            total = sync._reduce(where, reduction, lay, sums, state.weight, failed)
             _reduce.normalise(reduction, sums, total)
             out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
         return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
@@ -474,3 +500,23 @@ def finalize(
         _reduce.normalise(reduction, sums, state.weight)
         out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
     return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
+
+
+def abort(
+    where: str, reduction: _reduce.Reduction, state: AccumState[Any] | None, sync: AllReduce | None
+) -> None:
+    """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
+
+    ``state`` may be None (the failure came before the layout was known): the sync's last layout
+    is used, if it has one. Errors while joining are dropped: the caller re-raises its own.
+    """
+    if sync is None:
+        return
+    if state is None:
+        if not sync._last:
+            return
+        state = AccumState(None, 0, 0, 0, sync._last[0])
+    try:
+        finalize(where, reduction, state, sync, failed=True)
+    except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
+        pass

@@ -47,8 +47,9 @@ class AllReduce:
     bucket_mb: float = 25.0
     check: Check = "first"
     timeout: float | None = None
-    _plans: dict[Any, Plan] = field(default_factory=dict, repr=False, compare=False)
-    _verified: set[Any] = field(default_factory=set, repr=False, compare=False)
+    _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _verified: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
+    _last: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     # -- planning (no communication) ----------------------------------------------------------
 
@@ -73,9 +74,9 @@ class AllReduce:
         """
         from ._state import make_layout
 
-        return self.layout_plan(make_layout("AllReduce.plan(params)", params, accum_dtype)).buckets
+        return self._layout_plan(make_layout("AllReduce.plan(params)", params, accum_dtype)).buckets
 
-    def layout_plan(self, lay: Any) -> Plan:
+    def _layout_plan(self, lay: Any) -> Plan:
         """The plan for a gradient layout (cached)."""
         plan = self._plans.get(lay)
         if plan is None:
@@ -83,9 +84,9 @@ class AllReduce:
             self._plans[lay] = plan
         return plan
 
-    def allocate(self, lay: Any) -> list[torch.Tensor]:
+    def _allocate(self, lay: Any) -> list[torch.Tensor]:
         """Uninitialised running sums for ``lay``: views into fresh flat buckets."""
-        plan = self.layout_plan(lay)
+        plan = self._layout_plan(lay)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         for b, members, offsets, numel in zip(
             plan.buckets, plan.members, plan.offsets, plan.grad_numel
@@ -97,7 +98,7 @@ class AllReduce:
 
     # -- the boundary -------------------------------------------------------------------------
 
-    def reduce(
+    def _reduce(
         self,
         where: str,
         reduction: str,
@@ -112,7 +113,8 @@ class AllReduce:
         another rank failed during the window, or when a collective fails or times out.
         """
         group, rank, world = self._group(where)
-        plan = self.layout_plan(lay)
+        plan = self._layout_plan(lay)
+        self._last[:] = [lay]  # a rank that fails before its next window knows the layout
         if self.check == "always" or (self.check == "first" and lay not in self._verified):
             self._verify(where, plan, reduction, group, rank, world, sums)
             self._verified.add(lay)
@@ -193,16 +195,22 @@ class AllReduce:
         except RuntimeError as err:
             raise self._failure(where, k, plan, rank, err) from err
 
-    def _failure(self, where: str, k: int, plan: Plan, rank: int, err: Exception) -> GradAccumError:
+    def _failure(self, where: str, k: int, plan: Plan, rank: int, err: Exception) -> Exception:
         b = plan.buckets[k]
+        what = (
+            f"the boundary all_reduce of bucket {k + 1}/{len(plan.buckets)} ({b.nbytes} bytes of "
+            f"{dtype_name(b.dtype)})"
+        )
+        return self._broken(where, what, rank, err)
+
+    def _broken(self, where: str, what: str, rank: int, err: Exception) -> GradAccumError:
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
         return GradAccumError(
-            f"{where}: the boundary all_reduce of bucket {k + 1}/{len(plan.buckets)} "
-            f"({b.nbytes} bytes of {dtype_name(b.dtype)}) failed on rank {rank}: "
-            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. A peer process "
-            f"died, failed before the boundary, or did not reach it in time (timeout: {limit}); "
-            f"every rank must call the accumulated function the same number of times. "
-            f"The process group cannot be reused: destroy it and restart from a checkpoint."
+            f"{where}: {what} failed on rank {rank}: {cause}. A peer process died, failed before "
+            f"the boundary, or did not reach it in time (timeout: {limit}); every rank must call "
+            f"the accumulated function the same number of times. The process group cannot be "
+            f"reused: destroy it and restart from a checkpoint."
         )
 
     def _verify(
@@ -223,11 +231,14 @@ class AllReduce:
         probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
         record("all_reduce", group, torch.int64, 2, "fingerprint")
         try:
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+            work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            raise GradAccumError(
-                f"{where}: the fingerprint exchange with the other ranks failed on rank {rank}: "
-                f"{str(err).splitlines()[0]}. A peer process died or never reached the boundary."
+            raise self._broken(
+                where, "the fingerprint exchange with the other ranks", rank, err
             ) from err
         hi, neg_lo = probe.tolist()
         if hi == -neg_lo:

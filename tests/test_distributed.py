@@ -372,6 +372,52 @@ def test_an_error_on_one_rank_fails_every_rank_instead_of_hanging() -> None:
     )
 
 
+def _failing_stream_and_params(rank: int, world: int) -> dict[str, str]:
+    params = mlp_params(kind="dict")
+    out = {}
+    # Streaming: rank 1's loop raises; it aborts (joining the boundary) and re-raises.
+    acc = gradaccum.Accumulator(n=2, sync=gradaccum.all_reduce(timeout=30))
+    state = acc.init(params)
+    try:
+        for i in range(2):
+            if rank == 1 and i == 1:
+                raise KeyError("bad record in shard 1")
+            state = acc.add(state, grad(mean_loss)(params, regression_batch(4, seed=i)), size=4)
+        acc.finalize(state)
+        out["stream"] = "finished"
+    except KeyError as err:
+        acc.abort(state)
+        out["stream"] = f"KeyError {err}"
+    except gradaccum.GradAccumError as err:
+        out["stream"] = f"GradAccumError {err}"
+    # accumulate: rank 1 passes params it cannot even describe on its second window.
+    step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce(timeout=30))
+    step(params, regression_batch(4))
+    bad = {**params, "b1": "not a tensor"} if rank == 1 else params
+    try:
+        step(bad, regression_batch(4))
+        out["init"] = "finished"
+    except (TypeError, gradaccum.GradAccumError) as err:
+        out["init"] = f"{type(err).__name__} {err}"
+    return out
+
+
+def test_errors_in_a_streaming_loop_or_before_the_window_fail_every_rank() -> None:
+    start = time.monotonic()
+    r0, r1 = values(run(_failing_stream_and_params, timeout=90))
+    assert time.monotonic() - start < 60
+    assert r1["stream"] == "KeyError 'bad record in shard 1'"
+    assert r0["stream"] == (
+        "GradAccumError Accumulator(n=2).finalize(state): 1 other rank(s) of the 2 in the group "
+        "raised an error during this window (rank 0 did not); no gradient is returned on any "
+        "rank. The cause is in the failing rank's traceback."
+    )
+    assert r1["init"].startswith("TypeError accumulate(mean_loss, n=2)(...): params leaf ['b1']")
+    assert r0["init"].startswith(
+        "GradAccumError accumulate(mean_loss, n=2)(...): 1 other rank(s) of the 2"
+    )
+
+
 def _dead_peer(rank: int, world: int, how: str) -> Any:
     params = mlp_params(kind="dict")
     step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce(timeout=3))

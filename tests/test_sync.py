@@ -285,6 +285,12 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
             "pass sync=gradaccum.all_reduce() to synchronise over the default process group.",
         ),
         (
+            lambda: gradaccum.accumulate(grad(mean_loss), 2)({"w": "x"}, regression_batch(4)),
+            TypeError,
+            "accumulate(mean_loss, n=2)(...): params leaf ['w'] is str 'x'; every params leaf "
+            "must be a floating tensor. Move non-tensor values out of the params pytree.",
+        ),
+        (
             lambda: gradaccum.clip_by_global_norm({"w": torch.ones(2)}, 0),
             ValueError,
             CLIP + "max_norm must be a positive number, got int 0; pass e.g. max_norm=1.0.",
@@ -371,3 +377,26 @@ def test_training_loop_steps_optimizer_and_scheduler_once_per_boundary() -> None
     assert sched.last_epoch == 2
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
     assert scale == gradaccum.LossScaleState(2.0, 1)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_abort_and_early_errors_join_the_boundary_flagged() -> None:
+    params = mlp_params()
+    acc = gradaccum.Accumulator(n=3, sync=gradaccum.all_reduce())
+    state = acc.add(acc.init(params), grad(mean_loss)(params, regression_batch(2)), size=2)
+    with gradaccum.record_collectives() as log:
+        fresh = acc.abort(state)
+    assert [c.purpose for c in log] == ["fingerprint", "gradients"]
+    assert (fresh.sums, fresh.weight, fresh.micro_step, fresh.window) == (None, 0, 0, 1)
+    # accumulate: a bad params tree on a later call fails before the layout is known; the rank
+    # still joins, with the layout of its previous window.
+    step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce())
+    step(params, regression_batch(4))
+    bad = {**params, "w1": params["w1"].to(torch.int64)}
+    with gradaccum.record_collectives() as log, pytest.raises(TypeError, match="dtype int64"):
+        step(bad, regression_batch(4))
+    assert [c.purpose for c in log] == ["gradients"]
+    # Without sync, abort only discards the window.
+    plain = gradaccum.Accumulator(n=3)
+    state = plain.add(plain.init(params), grad(mean_loss)(params, regression_batch(2)), size=2)
+    assert plain.abort(state).sums is None
