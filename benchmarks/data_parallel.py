@@ -5,7 +5,9 @@ many optimizer steps:
 
 - ``ddp-naive``: DDP syncing every micro-batch (the loop people write first);
 - ``ddp-no_sync``: DDP with forward and backward inside ``no_sync()`` except the last micro-batch;
-- ``gradaccum``: ``accumulate(grad(loss), n, sync=all_reduce())`` + ``write_grads``.
+- ``gradaccum``: ``accumulate(grad(loss), n, sync=all_reduce())`` + ``write_grads``;
+- ``gradaccum-autograd``: the same transform over a step function built on
+  ``torch.autograd.grad`` (the module's own parameters, no torch.func).
 
 Each step ends with ``optimizer.step()``. The script also counts the collectives and bytes
 gradaccum issues per optimizer step, and checks that all strategies end with the same parameters.
@@ -66,7 +68,8 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_n(rank: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    models = {name: _model(args.d_in, args.hidden) for name in ("naive", "no_sync", "ga")}
+    names = ("naive", "no_sync", "ga", "ga_autograd")
+    models = {name: _model(args.d_in, args.hidden) for name in names}
     ddp = {k: DDP(models[k]) for k in ("naive", "no_sync")}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     ga_model = models["ga"]
@@ -100,21 +103,41 @@ def _bench_n(rank: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
         gradaccum.write_grads(ga_model, grads)
         opts["ga"].step()
 
+    # The same transform over a torch.autograd step function: the module's own parameters,
+    # no torch.func (whose per-call cost is what separates gradaccum from a backward loop).
+    ag_model = models["ga_autograd"]
+    ag_params = dict(ag_model.named_parameters())
+
+    def autograd_grad(params: Any, batch: Any) -> dict[str, torch.Tensor]:
+        xb, yb = batch
+        loss = torch.nn.functional.cross_entropy(ag_model(xb), yb)
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+    ag_step = gradaccum.accumulate(autograd_grad, n, sync=gradaccum.all_reduce())
+
+    def ga_autograd_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        gradaccum.write_grads(ag_model, ag_step(ag_params, (x, y)))
+        opts["ga_autograd"].step()
+
     strategies = {
         "ddp-naive": lambda x, y: ddp_step("naive", x, y),
         "ddp-no_sync": lambda x, y: ddp_step("no_sync", x, y),
         "gradaccum": ga_step,
+        "gradaccum-autograd": ga_autograd_step,
     }
     for fn in strategies.values():  # warm-up (DDP's first step builds its buckets)
         fn(*batches[0])
     times: dict[str, list[float]] = {name: [] for name in strategies}
-    with gradaccum.record_collectives() as log:  # every timed step, divided below
-        for s in range(args.steps):
-            for name, fn in strategies.items():
-                dist.barrier()
+    log: list[gradaccum.Collective] = []
+    for s in range(args.steps):
+        for name, fn in strategies.items():
+            dist.barrier()
+            with gradaccum.record_collectives() as step_log:
                 t0 = time.perf_counter()
                 fn(*batches[s % len(batches)])
                 times[name].append(time.perf_counter() - t0)
+            if name == "gradaccum":
+                log.extend(step_log)
     params = [[p.detach() for p in m.parameters()] for m in models.values()]
     diff = max(
         float((a - b).abs().max())
@@ -154,18 +177,20 @@ def main() -> None:
         f"{args.micro} rows per micro-batch per rank; median of {args.steps} steps (rank 0)"
     )
     print(
-        f"{'n':>3} {'ddp-naive ms':>13} {'no_sync ms':>11} {'gradaccum ms':>13} "
-        f"{'ga/no_sync':>11} {'naive/no_sync':>14} {'ga colls':>9} {'ga MB/step':>11} "
+        f"{'n':>3} {'naive ms':>9} {'no_sync ms':>11} {'ga ms':>7} {'ga-autograd ms':>15} "
+        f"{'naive/ns':>9} {'ga/ns':>6} {'ga-ag/ns':>9} {'ga colls':>9} {'ga MB/step':>11} "
         f"{'max diff':>9}"
     )
     for n, r in results[0].items():
         ms = r["ms"]
+        ns = ms["ddp-no_sync"]
         print(
-            f"{n:>3} {ms['ddp-naive']:>13.1f} {ms['ddp-no_sync']:>11.1f} {ms['gradaccum']:>13.1f} "
-            f"{ms['gradaccum'] / ms['ddp-no_sync']:>11.3f} "
-            f"{ms['ddp-naive'] / ms['ddp-no_sync']:>14.3f} {r['collectives']:>9g} "
-            f"{r['bytes'] / 2**20:>11.2f} {r['diff']:>9.1e}"
+            f"{n:>3} {ms['ddp-naive']:>9.1f} {ns:>11.1f} {ms['gradaccum']:>7.1f} "
+            f"{ms['gradaccum-autograd']:>15.1f} {ms['ddp-naive'] / ns:>9.3f} "
+            f"{ms['gradaccum'] / ns:>6.3f} {ms['gradaccum-autograd'] / ns:>9.3f} "
+            f"{r['collectives']:>9g} {r['bytes'] / 2**20:>11.2f} {r['diff']:>9.1e}"
         )
+    print("ns = DDP + no_sync; ga-autograd = accumulate over a torch.autograd.grad step function")
 
 
 if __name__ == "__main__":
