@@ -54,6 +54,8 @@ def _child(
     except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
         result = ("err", type(err).__name__, str(err), traceback.format_exc())
     out.put((rank, result))
+    out.close()
+    out.join_thread()  # flushed before teardown, which gloo rarely aborts at interpreter exit
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001, S110 - a broken group (killed peer) may refuse
