@@ -274,7 +274,7 @@ def _ddp(rank: int, world: int, n: int) -> dict[str, Any]:
         opt_ga.step()
     return {
         "diff": max(
-            float((a - b).abs().max())
+            float((a - b).detach().abs().max())
             for a, b in zip(model.parameters(), twin.parameters(), strict=True)
         ),
     }
