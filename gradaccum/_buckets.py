@@ -64,7 +64,7 @@ def make_plan(lay: Any, cap: int) -> Plan:
         groups.setdefault((dev, dt), []).append(i)
     cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
     for (dev, dt), idx in groups.items():
-        size = torch.empty((), dtype=dt).element_size()
+        size = dt.itemsize
         current: list[int] = []
         used = 0
         for i in idx:
@@ -102,7 +102,7 @@ def make_plan(lay: Any, cap: int) -> Plan:
                 device=dev,
                 paths=tuple(lay.paths[i] for i in idx),
                 numel=total,
-                nbytes=total * torch.empty((), dtype=dt).element_size(),
+                nbytes=total * dt.itemsize,
                 tail=k == tail_k,
             )
         )

@@ -72,8 +72,6 @@ def record(kind: str, group: Any, dtype: torch.dtype, numel: int, purpose: str) 
     """Log one collective in every active [`record_collectives()`][gradaccum.record_collectives]."""
     if not _LOGS:
         return
-    item = Collective(
-        kind, group, dtype, numel, numel * torch.empty((), dtype=dtype).element_size(), purpose
-    )
+    item = Collective(kind, group, dtype, numel, numel * dtype.itemsize, purpose)
     for log in _LOGS:
         log.append(item)

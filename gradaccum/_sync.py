@@ -116,7 +116,7 @@ class AllReduce:
         plan = self._layout_plan(lay)
         self._last[:] = [lay]  # a rank that fails before its next window knows the layout
         if self.check == "always" or (self.check == "first" and lay not in self._verified):
-            self._verify(where, plan, reduction, group, rank, world, sums)
+            self._verify(where, plan, reduction, group, rank, world)
             self._verified.add(lay)
         bufs, packed = [], []
         for k, (b, members, offsets, numel) in enumerate(
@@ -221,7 +221,6 @@ class AllReduce:
         group: Any,
         rank: int,
         world: int,
-        sums: list[torch.Tensor],
     ) -> None:
         """Exchange a fingerprint of the tree, reduction and buckets; on mismatch, name it."""
         desc = (*plan.description, f"reduction={reduction!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -84,6 +84,22 @@ def token_sum_loss(
 def token_mean_loss(params: object, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     loss, count = token_sum_loss(params, batch)
     return loss / count
+
+
+def token_count_step(n: int, **kwargs: Any) -> Any:
+    """``accumulate`` over the summed token loss, normalised by the token count (``count``)."""
+    from torch.func import grad_and_value
+
+    import gradaccum
+
+    return gradaccum.accumulate(
+        grad_and_value(token_sum_loss, has_aux=True),
+        n,
+        has_aux=True,
+        reduction="count",
+        count=lambda aux: aux[1],
+        **kwargs,
+    )
 
 
 def max_diff(a: object, b: object) -> float:

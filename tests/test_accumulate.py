@@ -15,8 +15,8 @@ from models import (
     regression_batch,
     sum_loss,
     token_batch,
+    token_count_step,
     token_mean_loss,
-    token_sum_loss,
 )
 from torch.func import functional_call, grad, grad_and_value, vmap
 
@@ -48,14 +48,7 @@ def test_sum_equals_whole_batch(n: int) -> None:
 def test_count_equals_whole_batch_token_mean(n: int) -> None:
     params, batch = mlp_params(), token_batch(16)
     ref_grads, ref_loss = grad_and_value(token_mean_loss)(params, batch)
-    step = gradaccum.accumulate(
-        grad_and_value(token_sum_loss, has_aux=True),
-        n,
-        has_aux=True,
-        reduction="count",
-        count=lambda aux: aux[1],
-        aux_reduction=("count", "sum"),
-    )
+    step = token_count_step(n, aux_reduction=("count", "sum"))
     grads, (loss, tokens) = step(params, batch)
     assert max_diff(grads, ref_grads) < TIGHT
     assert abs(float(loss - ref_loss)) < TIGHT
@@ -297,13 +290,7 @@ def test_compiled_accumulated_function_survives_dynamic_then_uneven_batches() ->
 
 def test_count_leaf_reports_the_total_by_default() -> None:
     params, batch = mlp_params(), token_batch(16)
-    step = gradaccum.accumulate(
-        grad_and_value(token_sum_loss, has_aux=True),
-        4,
-        has_aux=True,
-        reduction="count",
-        count=lambda aux: aux[1],
-    )
+    step = token_count_step(4)
     _, (loss, tokens) = step(params, batch)
     assert float(tokens) == float(batch["mask"].sum())
     assert abs(float(loss - token_mean_loss(params, batch))) < TIGHT

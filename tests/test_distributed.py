@@ -23,6 +23,8 @@ from models import (
     regression_batch,
     sum_loss,
     token_batch,
+    token_count_step,
+    token_mean_loss,
     token_sum_loss,
 )
 from torch.func import grad, grad_and_value
@@ -48,11 +50,6 @@ def _reversed_dict(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return dict(reversed(list(params.items())))
 
 
-def _token_mean(params: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    loss, count = token_sum_loss(params, batch)
-    return loss / count
-
-
 # -- equivalence with one process on the global batch -----------------------------------------
 
 
@@ -65,7 +62,7 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
     ref = {
         "mean": grad(mean_loss)(params, reg),
         "sum": grad(sum_loss)(params, reg),
-        "count": grad(_token_mean)(params, tok),
+        "count": grad(token_mean_loss)(params, tok),
     }
     for n in (1, 3, 4):
         sync = gradaccum.all_reduce(bucket_mb=1e-4)  # ~100 bytes: several buckets
@@ -73,14 +70,7 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
         diffs[f"mean n={n}"] = max_diff(step(mine, _shard(reg, rank)), ref["mean"])
         step = gradaccum.accumulate(grad(sum_loss), n, reduction="sum", sync=sync)
         diffs[f"sum n={n}"] = max_diff(step(mine, _shard(reg, rank)), ref["sum"])
-        step = gradaccum.accumulate(
-            grad_and_value(token_sum_loss, has_aux=True),
-            n,
-            has_aux=True,
-            reduction="count",
-            count=lambda aux: aux[1],
-            sync=sync,
-        )
+        step = token_count_step(n, sync=sync)
         g, _ = step(mine, _shard(tok, rank))
         diffs[f"count n={n}"] = max_diff(g, ref["count"])
 
@@ -102,14 +92,7 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
     only0 = (sum(SPLIT), 0)
     step = gradaccum.accumulate(grad(mean_loss), 4, sync=gradaccum.all_reduce())
     diffs["mean, rank 1 empty"] = max_diff(step(mine, _shard(reg, rank, only0)), ref["mean"])
-    step = gradaccum.accumulate(
-        grad_and_value(token_sum_loss, has_aux=True),
-        4,
-        has_aux=True,
-        reduction="count",
-        count=lambda aux: aux[1],
-        sync=gradaccum.all_reduce(),
-    )
+    step = token_count_step(4, sync=gradaccum.all_reduce())
     g, aux = step(mine, _shard(tok, rank, only0))
     diffs["count, rank 1 empty"] = max_diff(g, ref["count"])
     aux_is_none = aux is None
@@ -527,15 +510,8 @@ def _random_splits(rank: int, world: int, cases: int) -> list[tuple[str, float]]
         seed = int(torch.randint(0, 10_000, (), generator=rng))
         if reduction == "count":
             batch: Any = token_batch(rows, seed=seed)
-            ref = grad(_token_mean)(params, batch)
-            step = gradaccum.accumulate(
-                grad_and_value(token_sum_loss, has_aux=True),
-                ns[rank],
-                has_aux=True,
-                reduction="count",
-                count=lambda aux: aux[1],
-                sync=sync,
-            )
+            ref = grad(token_mean_loss)(params, batch)
+            step = token_count_step(ns[rank], sync=sync)
             g = step(params, _shard(batch, rank, split))[0]
         else:
             batch = regression_batch(rows, seed=seed)

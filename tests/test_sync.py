@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,15 +21,13 @@ from models import (
     mlp_params,
     regression_batch,
     token_batch,
-    token_sum_loss,
+    token_count_step,
+    token_mean_loss,
 )
-from torch.func import grad, grad_and_value
+from test_errors import raises
+from torch.func import grad
 
 import gradaccum
-
-
-def raises(exc: type[BaseException], message: str) -> Any:
-    return pytest.raises(exc, match=rf"\A{re.escape(message)}\Z")
 
 
 @pytest.fixture
@@ -117,22 +114,10 @@ def test_world_of_one_equals_no_sync_and_grads_are_bucket_views() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_world_of_one_count_reduction_with_tensor_counts_and_records() -> None:
     params, batch = mlp_params(), token_batch(10)
-    step = gradaccum.accumulate(
-        grad_and_value(token_sum_loss, has_aux=True),
-        4,
-        has_aux=True,
-        reduction="count",
-        count=lambda aux: aux[1],
-        sync=gradaccum.all_reduce(),
-    )
+    step = token_count_step(4, sync=gradaccum.all_reduce())
     with gradaccum.record_collectives() as log:
         g, (loss, tokens) = step(params, batch)
-
-    def token_mean(p: Any, b: Any) -> torch.Tensor:
-        s, c = token_sum_loss(p, b)
-        return s / c
-
-    assert max_diff(g, grad(token_mean)(params, batch)) < 1e-14
+    assert max_diff(g, grad(token_mean_loss)(params, batch)) < 1e-14
     assert float(tokens) == float(batch["mask"].sum())
     grad_bytes = sum(x.numel() * 8 for x in optree.tree_leaves(params))
     assert [(c.kind, c.purpose, c.nbytes) for c in log] == [
@@ -400,3 +385,26 @@ def test_abort_and_early_errors_join_the_boundary_flagged() -> None:
     plain = gradaccum.Accumulator(n=3)
     state = plain.add(plain.init(params), grad(mean_loss)(params, regression_batch(2)), size=2)
     assert plain.abort(state).sums is None
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_sums_outside_buckets_and_a_weight_only_bucket_are_reduced_correctly() -> None:
+    params = mlp_params()
+    g = grad(mean_loss)(params, regression_batch(6))
+    # A state whose sums were allocated without a sync (separate tensors): packed, then unpacked.
+    state = gradaccum.Accumulator(n=1).add(gradaccum.Accumulator(n=1).init(params), g, size=6)
+    synced, _ = gradaccum.Accumulator(n=1, sync=gradaccum.all_reduce()).finalize(state)
+    assert max_diff(synced, g) < 1e-15  # 6 * g / 6
+    # bfloat16 accumulators: the weight travels in a float32 bucket of its own.
+    low = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    sync = gradaccum.all_reduce()
+    step = gradaccum.accumulate(grad(mean_loss), 2, accum_dtype=torch.bfloat16, sync=sync)
+    batch = tuple(t.to(torch.bfloat16) for t in regression_batch(6))
+    with gradaccum.record_collectives() as log:
+        out = step(low, batch)
+    plain = gradaccum.accumulate(grad(mean_loss), 2, accum_dtype=torch.bfloat16)(low, batch)
+    assert max_diff(out, plain) == 0.0
+    assert [(c.purpose, c.dtype, c.numel) for c in log if c.purpose == "gradients"] == [
+        ("gradients", torch.bfloat16, sum(v.numel() for v in params.values())),
+        ("gradients", torch.float32, 2),
+    ]
