@@ -6,6 +6,8 @@ happens once, at the accumulation boundary.
 
 from . import testing as testing
 from ._accumulate import accumulate as accumulate
+from ._autograd import grad as grad
+from ._autograd import grad_and_value as grad_and_value
 from ._boundary import LossScale as LossScale
 from ._boundary import LossScaleState as LossScaleState
 from ._boundary import clip_by_global_norm as clip_by_global_norm
@@ -41,6 +43,8 @@ __all__ = [
     "buffers_of",
     "call_module",
     "clip_by_global_norm",
+    "grad",
+    "grad_and_value",
     "params_of",
     "record_collectives",
     "update_buffers",

@@ -11,7 +11,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from . import _reduce, _split, _state
+from . import _reduce, _split, _state, _tree
+from ._autograd import GradFn
 from ._errors import describe
 from ._sync import AllReduce
 
@@ -146,6 +147,9 @@ def accumulate(
     _reduce.check_aux_reduction(where, aux_reduction)
     _state.check_sync(where, sync)
     grad_args = _check_argnums(where, argnums, batch_argnum)
+    fast = step_fn if isinstance(step_fn, GradFn) else None
+    if fast is not None:
+        _check_fast(where, fast, argnums, has_aux)
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
@@ -160,27 +164,45 @@ def accumulate(
         )
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
-        state: _state.AccumState[Any] | None = None
+        win = _Window()
         try:
-            state = _state.AccumState(None, 0, 0, 0, _state.make_layout(call, target, accum_dtype))
+            lay = _state.make_layout(call, target, accum_dtype)
+            win.state = _state.AccumState(None, 0, 0, 0, lay)
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
-            for mb, rows in micro:
-                out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
-                grads, aux = _unpack(call, out) if has_aux else (out, None)
-                raw = count(aux) if count is not None else None
-                items = _reduce.check_count(call, raw) if count is not None else None
-                alpha, weight = _state.micro_weight(call, reduction, rows, items)
-                state = _state.add_grads(call, state, grads, alpha, weight, sync)
-                if aux_acc is not None:
-                    aux_acc.add(aux, rows, items, raw)
-                # Drop this micro-batch's outputs (and any graph they hold) before the next runs.
-                del out, mb, grads, aux, raw
+            if fast is not None:
+                if micro:
+                    _fast_window(
+                        call,
+                        fast,
+                        args,
+                        kwargs,
+                        batch_argnum,
+                        micro,
+                        win,
+                        aux_acc,
+                        reduction=reduction,
+                        count=count,
+                        sync=sync,
+                    )
+            else:
+                for mb, rows in micro:
+                    out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
+                    grads, aux = _unpack(call, out) if has_aux else (out, None)
+                    raw = count(aux) if count is not None else None
+                    items = _reduce.check_count(call, raw) if count is not None else None
+                    alpha, weight = _state.micro_weight(call, reduction, rows, items)
+                    win.state = _state.add_grads(call, win.state, grads, alpha, weight, sync)
+                    if aux_acc is not None:
+                        aux_acc.add(aux, rows, items, raw)
+                    # Drop this micro-batch's outputs (and any graph they hold) before the next.
+                    del out, mb, grads, aux, raw
         except Exception:
             # Join the boundary flagged as failed, so the other ranks raise instead of hanging.
-            _state.abort(call, reduction, state, sync)
+            _state.abort(call, reduction, win.state, sync, win.pending)
             raise
         # The boundary: the one place that communicates (with sync=).
-        grads, _ = _state.finalize(call, reduction, state, sync)
+        state = win.state
+        grads, _ = _state.finalize(call, reduction, state, sync, pending=win.pending)
         if aux_acc is not None:
             aux_out = aux_acc.result() if state.micro_step else None
             return (grads, aux_out)  # type: ignore[return-value]
@@ -189,6 +211,118 @@ def accumulate(
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)
     return accumulated
+
+
+class _Window:
+    """What a call has reached, so that the error path can join the boundary consistently."""
+
+    state: _state.AccumState[Any] | None = None
+    pending: Any = None  # a boundary opened during the last backward (some buckets in flight)
+
+
+def _check_fast(where: str, fast: GradFn, argnums: object, has_aux: bool) -> None:
+    if fast.argnums != argnums:
+        raise ValueError(
+            f"{where}: step_fn differentiates argnums={fast.argnums!r} but accumulate was given "
+            f"argnums={argnums!r}; pass the same argnums to both."
+        )
+    if fast.returns_aux != has_aux:
+        out = "(grads, value)" if fast.with_value else "(grads, aux)" if fast.has_aux else "grads"
+        raise ValueError(
+            f"{where}: step_fn ({fast!r}) returns {out}, so accumulate needs "
+            f"has_aux={fast.returns_aux}, got has_aux={has_aux}; pass has_aux={fast.returns_aux}."
+        )
+
+
+def _fast_window(
+    call: str,
+    fn: GradFn,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch_argnum: int,
+    micro: list[tuple[Any, int]],
+    win: _Window,
+    aux_acc: _reduce.AuxAccumulator | None,
+    *,
+    reduction: _reduce.Reduction,
+    count: Callable[[Any], Any] | None,
+    sync: AllReduce | None,
+) -> None:
+    """The window of a torch.autograd step function: backward straight into the accumulator.
+
+    The differentiated arguments become autograd leaves sharing the params' storage, whose
+    ``.grad`` is the running sum itself (a view into a boundary bucket under a sync), so each
+    backward adds its micro-batch's gradient in place, scaled by the micro-batch's weight
+    through the seed of the backward, as a hand-written loop does. With ``sync.overlap``, each
+    bucket's all-reduce starts during the last backward, as soon as its gradients are final.
+    """
+    state = win.state
+    assert state is not None
+    lay = state.layout
+    new_args, leaves, _ = fn.alias(call, args)
+    sums = _state.allocate(lay, sync)
+    win.state = state = state._replace(sums=_tree.unflatten(lay.spec, sums))
+    # In place via .grad when the sums have the gradients' dtype; otherwise (low-precision
+    # params, wider accumulator) a hook adds each gradient, scaled, and drops it.
+    direct = all(s.dtype == leaf.dtype for s, leaf in zip(sums, leaves))
+    alpha_now = [1]
+    handles = []
+    seeds: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def add_hook(s: torch.Tensor, leaf: torch.Tensor) -> None:
+        s.add_(leaf.grad, alpha=alpha_now[0])  # type: ignore[arg-type]
+        leaf.grad = None
+
+    try:
+        for s, leaf in zip(sums, leaves):
+            if direct:
+                leaf.grad = s
+            else:
+                handles.append(
+                    leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        functools.partial(add_hook, s)
+                    )
+                )
+        last = len(micro) - 1
+        for j, (mb, rows) in enumerate(micro):
+            new_args[batch_argnum] = mb
+            value, aux = fn.forward(call, new_args, kwargs)
+            raw = count(aux) if count is not None else None
+            items = _reduce.check_count(call, raw) if count is not None else None
+            alpha, weight = _state.micro_weight(call, reduction, rows, items)
+            if j == last and sync is not None and sync.overlap:
+                # Open the boundary before the last backward: its hooks launch each bucket's
+                # all-reduce as soon as all of the bucket's leaves have their final sum.
+                win.pending = pending = sync._begin(call, reduction, lay, sums)
+                handles.extend(
+                    leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        functools.partial(pending.leaf_ready, i)
+                    )
+                    for i, leaf in enumerate(leaves)
+                )
+            if leaves and value.requires_grad:
+                if direct:
+                    key = (alpha, value.dtype, value.device)
+                    seed = seeds.get(key)
+                    if seed is None:
+                        seed = seeds[key] = torch.full(
+                            (), alpha, dtype=value.dtype, device=value.device
+                        )
+                else:
+                    alpha_now[0] = alpha
+                    seed = None
+                torch.autograd.backward(value, seed, inputs=leaves)
+            win.state = state = _state.AccumState(
+                state.sums, state.weight + weight, state.micro_step + 1, state.window, lay
+            )
+            if aux_acc is not None:
+                aux_acc.add(aux, rows, items, raw)
+            del value, aux, raw, mb
+    finally:
+        for h in handles:
+            h.remove()
+        for leaf in leaves:
+            leaf.grad = None
 
 
 def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[int, ...]:

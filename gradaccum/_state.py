@@ -461,27 +461,53 @@ def add_grads(
     return AccumState(sums, state.weight + weight, state.micro_step + 1, state.window, lay)
 
 
+def allocate(lay: _Layout, sync: AllReduce | None) -> list[torch.Tensor]:
+    """Zeroed running sums for ``lay``: views into flat buffers.
+
+    The sync's buckets, or without a sync one buffer per (device, accumulation dtype).
+    """
+    if sync is not None:
+        return sync._allocate(lay, zero=True)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, key in enumerate(zip(lay.devices, lay.accum_dtypes)):
+        groups.setdefault(key, []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
+    for (device, dtype), idx in groups.items():
+        flat = torch.zeros(sum(lay.shapes[i].numel() for i in idx), dtype=dtype, device=device)
+        off = 0
+        for i in idx:
+            numel = lay.shapes[i].numel()
+            out[i] = flat[off : off + numel].view(lay.shapes[i])
+            off += numel
+    return out
+
+
 def finalize(
     where: str,
     reduction: _reduce.Reduction,
     state: AccumState[T],
     sync: AllReduce | None = None,
     failed: bool = False,
+    pending: Any = None,
 ) -> tuple[T, AccumState[T]]:
     """The boundary: reduce over the group (with ``sync``), normalise, cast, start a new window.
 
     This is the one place where a cross-process collective is issued. ``failed`` joins the
     collective on behalf of a rank whose window raised, so that the others raise too.
+    ``pending`` is a boundary already opened (some buckets launched during the last backward).
     """
     lay: _Layout = state.layout
     if sync is not None:
         with torch.no_grad():
-            if state.sums is None:  # an empty window still joins, with zero weight
-                sums = sync._allocate(lay)
-                torch._foreach_zero_(sums)
+            if pending is not None:
+                sums = pending.sums
+                total = pending.finish(state.weight, failed)
             else:
-                sums = _tree.flatten(state.sums)[0]
-            total = sync._reduce(where, reduction, lay, sums, state.weight, failed)
+                if state.sums is None:  # an empty window still joins, with zero weight
+                    sums = sync._allocate(lay, zero=True)
+                else:
+                    sums = _tree.flatten(state.sums)[0]
+                total = sync._reduce(where, reduction, lay, sums, state.weight, failed)
             _reduce.normalise(reduction, sums, total)
             out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
         return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
@@ -503,7 +529,11 @@ def finalize(
 
 
 def abort(
-    where: str, reduction: _reduce.Reduction, state: AccumState[Any] | None, sync: AllReduce | None
+    where: str,
+    reduction: _reduce.Reduction,
+    state: AccumState[Any] | None,
+    sync: AllReduce | None,
+    pending: Any = None,
 ) -> None:
     """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
 
@@ -517,6 +547,6 @@ def abort(
             return
         state = AccumState(None, 0, 0, 0, sync._last[0])
     try:
-        finalize(where, reduction, state, sync, failed=True)
+        finalize(where, reduction, state, sync, failed=True, pending=pending)
     except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
         pass

@@ -40,13 +40,14 @@ class AllReduce:
     Examples:
         >>> import gradaccum
         >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)
-        AllReduce(group=None, bucket_mb=50.0, check='first', timeout=120.0)
+        AllReduce(group=None, bucket_mb=50.0, check='first', timeout=120.0, overlap=True)
     """
 
     group: Any = None
     bucket_mb: float = 25.0
     check: Check = "first"
     timeout: float | None = None
+    overlap: bool = True
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
     _verified: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
     _last: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -84,14 +85,15 @@ class AllReduce:
             self._plans[lay] = plan
         return plan
 
-    def _allocate(self, lay: Any) -> list[torch.Tensor]:
-        """Uninitialised running sums for ``lay``: views into fresh flat buckets."""
+    def _allocate(self, lay: Any, zero: bool = False) -> list[torch.Tensor]:
+        """Running sums for ``lay``: views into fresh flat buckets (zeroed, or uninitialised)."""
         plan = self._layout_plan(lay)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         for b, members, offsets, numel in zip(
             plan.buckets, plan.members, plan.offsets, plan.grad_numel
         ):
-            buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+            size = numel + (TAIL if b.tail else 0)
+            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
@@ -112,55 +114,21 @@ class AllReduce:
         Raises GradAccumError on every rank when ranks disagree on the gradient tree, when
         another rank failed during the window, or when a collective fails or times out.
         """
+        return self._begin(where, reduction, lay, sums).finish(weight, failed)
+
+    def _begin(self, where: str, reduction: str, lay: Any, sums: list[torch.Tensor]) -> _Boundary:
+        """Open the boundary of a window: check the group and (once) the trees agree.
+
+        The returned ``_Boundary`` launches buckets as they are marked ready, and the rest, with
+        the weight, at ``finish``.
+        """
         group, rank, world = self._group(where)
         plan = self._layout_plan(lay)
         self._last[:] = [lay]  # a rank that fails before its next window knows the layout
         if self.check == "always" or (self.check == "first" and lay not in self._verified):
             self._verify(where, plan, reduction, group, rank, world)
             self._verified.add(lay)
-        bufs, packed = [], []
-        for k, (b, members, offsets, numel) in enumerate(
-            zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
-        ):
-            buf = bucket_of([sums[i] for i in members], offsets, numel, b)
-            if buf is None:  # the sums are not views of one bucket (e.g. a hand-built state)
-                buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
-                for i, off in zip(members, offsets):
-                    buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
-                packed.append(k)
-            if b.tail:
-                tail = buf[numel:]
-                if isinstance(weight, torch.Tensor):
-                    tail[:1].copy_(weight.reshape(1))
-                else:
-                    tail[0] = weight
-                tail[1] = 1.0 if failed else 0.0
-            bufs.append(buf)
-        works = []
-        for k, (b, buf) in enumerate(zip(plan.buckets, bufs)):
-            record("all_reduce", group, b.dtype, buf.numel(), "gradients")
-            works.append(self._launch(where, k, plan, buf, group))
-        for k, work in enumerate(works):
-            self._wait(where, k, plan, work, rank)
-        for k in packed:
-            b, buf = plan.buckets[k], bufs[k]
-            for i, off in zip(plan.members[k], plan.offsets[k]):
-                sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
-        tail_k = next(k for k, b in enumerate(plan.buckets) if b.tail)
-        total, n_failed = bufs[tail_k][plan.grad_numel[tail_k] :].tolist()
-        if n_failed and not failed:
-            raise GradAccumError(
-                f"{where}: {int(n_failed)} other rank(s) of the {world} in the group raised an "
-                f"error during this window (rank {rank} did not); no gradient is returned on any "
-                f"rank. The cause is in the failing rank's traceback."
-            )
-        if not failed and reduction != "sum" and total <= 0:
-            raise ValueError(
-                f"{where}: the window's {'counts' if reduction == 'count' else 'rows'} add up to "
-                f"{total:g} over all {world} ranks, so there is no mean to divide by; skip windows "
-                f"with no items on any rank (e.g. all padding), or use reduction='sum'."
-            )
-        return float(total)
+        return _Boundary(self, where, reduction, plan, sums, group, rank, world)
 
     def _group(self, where: str) -> tuple[Any, int, int]:
         if not dist.is_available() or not dist.is_initialized():
@@ -179,12 +147,6 @@ class AllReduce:
                 f"(every rank must call dist.new_group with the same ranks)."
             )
         return group, rank, dist.get_world_size(group)
-
-    def _launch(self, where: str, k: int, plan: Plan, buf: torch.Tensor, group: Any) -> Any:
-        try:
-            return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        except RuntimeError as err:
-            raise self._failure(where, k, plan, dist.get_rank(group), err) from err
 
     def _wait(self, where: str, k: int, plan: Plan, work: Any, rank: int) -> None:
         try:
@@ -258,12 +220,117 @@ class AllReduce:
         )
 
 
+class _Boundary:
+    """One window's boundary in flight: buckets all-reduced in plan order as they are ready.
+
+    Each bucket is launched as soon as it is ready, all of them before the tail bucket (which
+    carries the weight and failure flag and so goes last, at ``finish``), then waited on together.
+
+    The launch order is the same on every rank whatever the timing: the non-tail buckets in plan
+    order, then the tail bucket.
+    """
+
+    def __init__(
+        self,
+        sync: AllReduce,
+        where: str,
+        reduction: str,
+        plan: Plan,
+        sums: list[torch.Tensor],
+        group: Any,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.sync, self.where, self.reduction, self.plan = sync, where, reduction, plan
+        self.sums, self.group, self.rank, self.world = sums, group, rank, world
+        # The flat bucket each group of sums is a view of, or None (packed at finish).
+        self.bufs: list[torch.Tensor | None] = [
+            bucket_of([sums[i] for i in members], offsets, numel, b)
+            for b, members, offsets, numel in zip(
+                plan.buckets, plan.members, plan.offsets, plan.grad_numel
+            )
+        ]
+        self.tail_k = next(k for k, b in enumerate(plan.buckets) if b.tail)
+        self.order = [k for k in range(len(plan.buckets)) if k != self.tail_k] + [self.tail_k]
+        self.remaining = [len(m) for m in plan.members]
+        self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
+        self.works: list[Any] = []  # in launch order
+
+    def leaf_ready(self, i: int, _tensor: Any = None) -> None:
+        """Leaf ``i``'s sum is final: launch every bucket that is now ready, in order."""
+        k = self.bucket_of_leaf[i]
+        self.remaining[k] -= 1
+        if self.remaining[k] == 0:
+            while len(self.works) < len(self.order) - 1:
+                nxt = self.order[len(self.works)]
+                if self.remaining[nxt] > 0 or self.bufs[nxt] is None:
+                    break
+                self._launch(nxt)
+
+    def _launch(self, k: int) -> None:
+        buf = self.bufs[k]
+        assert buf is not None
+        record("all_reduce", self.group, buf.dtype, buf.numel(), "gradients")
+        try:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as err:
+            raise self.sync._failure(self.where, k, self.plan, self.rank, err) from err
+        self.works.append(work)
+
+    def finish(self, weight: int | float | torch.Tensor, failed: bool = False) -> float:
+        """Launch what is left (the weight and failure flag in the tail), wait, return the total."""
+        plan, packed = self.plan, []
+        for k, (b, members, offsets, numel) in enumerate(
+            zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
+        ):
+            if self.bufs[k] is None:  # the sums are not views of one bucket (a hand-built state)
+                buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+                for i, off in zip(members, offsets):
+                    buf[off : off + self.sums[i].numel()].copy_(self.sums[i].reshape(-1))
+                self.bufs[k] = buf
+                packed.append(k)
+        tail_buf = self.bufs[self.tail_k]
+        assert tail_buf is not None
+        tail = tail_buf[plan.grad_numel[self.tail_k] :]
+        if isinstance(weight, torch.Tensor):
+            tail[:1].copy_(weight.reshape(1))
+        else:
+            tail[0] = weight
+        tail[1] = 1.0 if failed else 0.0
+        while len(self.works) < len(self.order):
+            self._launch(self.order[len(self.works)])
+        for j, work in enumerate(self.works):
+            self.sync._wait(self.where, self.order[j], plan, work, self.rank)
+        for k in packed:
+            packed_buf = self.bufs[k]
+            assert packed_buf is not None
+            for i, off in zip(plan.members[k], plan.offsets[k]):
+                s = self.sums[i]
+                s.copy_(packed_buf[off : off + s.numel()].view_as(s))
+        total, n_failed = tail.tolist()
+        if n_failed and not failed:
+            raise GradAccumError(
+                f"{self.where}: {int(n_failed)} other rank(s) of the {self.world} in the group "
+                f"raised an error during this window (rank {self.rank} did not); no gradient is "
+                f"returned on any rank. The cause is in the failing rank's traceback."
+            )
+        if not failed and self.reduction != "sum" and total <= 0:
+            raise ValueError(
+                f"{self.where}: the window's "
+                f"{'counts' if self.reduction == 'count' else 'rows'} add up to {total:g} over "
+                f"all {self.world} ranks, so there is no mean to divide by; skip windows with no "
+                f"items on any rank (e.g. all padding), or use reduction='sum'."
+            )
+        return float(total)
+
+
 def all_reduce(
     group: Any = None,
     *,
     bucket_mb: float = 25.0,
     check: Check = "first",
     timeout: float | None = None,
+    overlap: bool = True,
 ) -> AllReduce:
     """Average (or sum) accumulated gradients over a process group, once per window.
 
@@ -290,6 +357,13 @@ def all_reduce(
         timeout: Seconds to wait for each boundary collective before raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
             timeout.
+        overlap: With a step function made by [`grad()`][gradaccum.grad] or
+            [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
+            during the last micro-batch's backward, as soon as autograd has produced all of
+            that bucket's gradients (as DDP does, but without module hooks), and wait for them
+            only at the end. The bucket carrying the weight goes last. ``False`` starts them
+            all after the backward. Other step functions (``torch.func.grad``) return all
+            gradients at once, so there is nothing to overlap with.
 
     Returns:
         An [`AllReduce`][gradaccum.AllReduce]; its [`plan()`][gradaccum.AllReduce.plan] reports
@@ -335,7 +409,13 @@ def all_reduce(
             f"{where}: group must be None (the default group) or a torch.distributed "
             f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
         )
-    return AllReduce(group, float(bucket_mb), check, None if timeout is None else float(timeout))
+    if not isinstance(overlap, bool):
+        raise TypeError(
+            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
+        )
+    return AllReduce(
+        group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
+    )
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -1,0 +1,281 @@
+"""``grad`` and ``grad_and_value`` on torch.autograd: torch.func's signatures, a faster engine.
+
+Called on their own they return what ``torch.func.grad`` / ``torch.func.grad_and_value`` return.
+Inside [`accumulate()`][gradaccum.accumulate] they are the fast path: each micro-batch's backward
+adds its gradients in place into the accumulator (the boundary buckets, under a sync) as autograd
+produces them, like a hand-written ``loss.backward()`` loop, and the boundary collective of a
+bucket starts as soon as the last micro-batch has produced that bucket's gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _tree
+from ._errors import describe, dtype_name
+
+__all__ = ["GradFn", "grad", "grad_and_value"]
+
+
+class GradFn:
+    """A gradient function made by [`grad()`][gradaccum.grad] or ``grad_and_value()``.
+
+    Call it like the torch.func function of the same name. [`accumulate()`][gradaccum.accumulate]
+    recognises it and accumulates its gradients in place, without materialising each
+    micro-batch's gradient tree.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        argnums: int | tuple[int, ...],
+        has_aux: bool,
+        with_value: bool,
+    ) -> None:
+        self.fn = fn
+        self.argnums = argnums
+        self.has_aux = has_aux
+        self.with_value = with_value
+        functools.update_wrapper(self, fn)
+        self._kind = "grad_and_value" if with_value else "grad"
+        self._name = getattr(fn, "__name__", None) or type(fn).__name__
+
+    def __repr__(self) -> str:
+        return (
+            f"gradaccum.{self._kind}({self._name}, argnums={self.argnums!r}, "
+            f"has_aux={self.has_aux!r})"
+        )
+
+    @property
+    def _positions(self) -> tuple[int, ...]:
+        return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
+
+    @property
+    def returns_aux(self) -> bool:
+        """Whether the output is ``(grads, something)`` rather than ``grads``."""
+        return self.with_value or self.has_aux
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        where = f"{self!r}(...)"
+        new_args, leaves, spec = self.alias(where, args)
+        value, aux = self.forward(where, new_args, kwargs)
+        if leaves and value.requires_grad:
+            grads = list(
+                torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+            )
+        else:  # the output does not depend on the params: their gradient is zero
+            grads = [torch.zeros_like(leaf) for leaf in leaves]
+        tree = _tree.unflatten(spec, grads)
+        return (tree, aux) if self.returns_aux else tree
+
+    # -- the pieces accumulate uses --------------------------------------------------------------
+
+    def alias(
+        self, where: str, args: Sequence[Any]
+    ) -> tuple[list[Any], list[torch.Tensor], _tree.PyTreeSpec]:
+        """Replace the differentiated arguments by fresh autograd leaves sharing their storage.
+
+        Returns the new positional arguments, the leaves in flat order, and the spec of the
+        differentiated argument (a tuple of trees when ``argnums`` is a tuple).
+        """
+        pos = self._positions
+        if len(args) <= max(pos):
+            raise TypeError(
+                f"{where}: expected the params at position(s) {list(pos)}, got {len(args)} "
+                f"positional argument(s); pass them positionally, e.g. step(params, batch)."
+            )
+        target = args[pos[0]] if isinstance(self.argnums, int) else tuple(args[i] for i in pos)
+        paths, flat, spec = _tree.flatten_with_paths(target)
+        for path, leaf in zip(paths, flat):
+            if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+                what = (
+                    f"dtype {dtype_name(leaf.dtype)}"
+                    if isinstance(leaf, torch.Tensor)
+                    else describe(leaf)
+                )
+                raise TypeError(
+                    f"{where}: params leaf {path} has {what}; gradients are taken only with "
+                    f"respect to floating tensors. Move it out of the differentiated argument."
+                )
+        leaves = [leaf.detach().requires_grad_(True) for leaf in flat]
+        aliased = _tree.unflatten(spec, leaves)
+        new_args = list(args)
+        if isinstance(self.argnums, int):
+            new_args[self.argnums] = aliased
+        else:
+            for j, i in enumerate(pos):
+                new_args[i] = aliased[j]
+        return new_args, leaves, spec
+
+    def forward(
+        self, where: str, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, Any]:
+        """Run ``fn`` with gradients on; return the (attached) loss and the detached aux output.
+
+        The aux output is what the torch.func function returns beside the gradients: the value,
+        ``(value, aux)``, ``aux`` or None.
+        """
+        with torch.enable_grad():
+            out = self.fn(*args, **kwargs)
+        if self.has_aux:
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise TypeError(
+                    f"{where}: with has_aux=True the function must return a pair (loss, aux), "
+                    f"got {describe(out)}; return (loss, aux) or pass has_aux=False."
+                )
+            value, aux = out
+        else:
+            value, aux = out, None
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            got = (
+                f"a tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else describe(value)
+            )
+            hint = (
+                "; if it returns (loss, aux), pass has_aux=True"
+                if isinstance(value, tuple) and not self.has_aux
+                else ""
+            )
+            raise TypeError(
+                f"{where}: the function must return a scalar (0-dim) loss tensor, got {got}; "
+                f"reduce it with .mean() or .sum(){hint}."
+            )
+        if not value.is_floating_point():
+            raise TypeError(
+                f"{where}: the loss has dtype {dtype_name(value.dtype)}; it must be a floating "
+                f"tensor to be differentiated."
+            )
+        detached = value.detach()
+        if self.has_aux:
+            aux = _tree.map_(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        if self.with_value:
+            return value, ((detached, aux) if self.has_aux else detached)
+        return value, aux
+
+
+def grad(
+    fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> GradFn:
+    """``torch.func.grad`` on torch.autograd: the gradient of a scalar function of pytrees.
+
+    Same signature and result as ``torch.func.grad`` (for first-order gradients), computed by
+    ``torch.autograd`` on leaves that share the params' storage (nothing is copied and no
+    ``.grad`` of yours is touched). Inside [`accumulate()`][gradaccum.accumulate] it is the fast
+    path: each micro-batch's gradients are added in place into the accumulator as backward
+    produces them, and under a sync the boundary all-reduce of each bucket starts during the
+    last micro-batch's backward. Use ``torch.func.grad`` instead to nest it under ``vmap``
+    (per-sample gradients) or other torch.func transforms, or for higher-order gradients.
+
+    Args:
+        fn: A function of the params (and more arguments) returning a scalar loss tensor, or
+            ``(loss, aux)`` with ``has_aux=True``.
+        argnums: The positional argument(s) to differentiate with respect to; an int gives a
+            gradient tree shaped like that argument, a tuple gives a tuple of them.
+        has_aux: ``fn`` returns ``(loss, aux)``; the result is then ``(grads, aux)`` with the aux
+            detached.
+
+    Returns:
+        A function with ``fn``'s signature returning ``grads`` (or ``(grads, aux)``). A params
+        leaf the loss does not depend on gets a zero gradient, as with torch.func.
+
+    Raises:
+        TypeError: (when called) ``fn`` does not return a scalar floating tensor, or a params
+            leaf is not a floating tensor.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> def loss_fn(params, x):
+        ...     return (x @ params["w"]).pow(2).sum()
+        >>> params = {"w": torch.tensor([1.0, 2.0])}
+        >>> gradaccum.grad(loss_fn)(params, torch.tensor([[1.0, 0.0]]))
+        {'w': tensor([2., 0.])}
+    """
+    _check_fn("grad", fn)
+    return GradFn(fn, _check_argnums("grad", argnums), _check_has_aux("grad", has_aux), False)
+
+
+def grad_and_value(
+    fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> GradFn:
+    """``torch.func.grad_and_value`` on torch.autograd: the gradient and the loss.
+
+    As [`grad()`][gradaccum.grad], returning ``(grads, loss)``, or ``(grads, (loss, aux))`` with
+    ``has_aux=True``, the loss and aux detached. This is the step function to hand to
+    [`accumulate()`][gradaccum.accumulate] with ``has_aux=True`` (its output is a pair) when
+    speed matters: on CPU it runs as fast as a hand-written ``loss.backward()`` loop, where
+    ``torch.func.grad_and_value`` is 10-30% slower.
+
+    Args:
+        fn: A function of the params (and more arguments) returning a scalar loss tensor, or
+            ``(loss, aux)`` with ``has_aux=True``.
+        argnums: The positional argument(s) to differentiate with respect to.
+        has_aux: ``fn`` returns ``(loss, aux)``.
+
+    Returns:
+        A function with ``fn``'s signature returning ``(grads, loss)`` or
+        ``(grads, (loss, aux))``.
+
+    Raises:
+        TypeError: (when called) ``fn`` does not return a scalar floating tensor, or a params
+            leaf is not a floating tensor.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from torch.func import functional_call
+        >>> model = torch.nn.Linear(3, 1)
+        >>> def loss_fn(params, batch):
+        ...     x, y = batch
+        ...     return ((functional_call(model, params, (x,)).squeeze(1) - y) ** 2).mean()
+        >>> params = gradaccum.params_of(model)
+        >>> x, y = torch.randn(16, 3), torch.randn(16)
+        >>> step = gradaccum.accumulate(gradaccum.grad_and_value(loss_fn), n=4, has_aux=True)
+        >>> grads, loss = step(params, (x, y))
+        >>> expected = torch.func.grad(loss_fn)(params, (x, y))
+        >>> all(torch.allclose(grads[k], expected[k], atol=1e-6) for k in grads)
+        True
+    """
+    _check_fn("grad_and_value", fn)
+    return GradFn(
+        fn,
+        _check_argnums("grad_and_value", argnums),
+        _check_has_aux("grad_and_value", has_aux),
+        True,
+    )
+
+
+def _check_fn(name: str, fn: object) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"gradaccum.{name}(fn): fn must be callable (a function returning a scalar loss), "
+            f"got {describe(fn)}."
+        )
+
+
+def _check_argnums(name: str, argnums: object) -> int | tuple[int, ...]:
+    ok_int = isinstance(argnums, int) and not isinstance(argnums, bool) and argnums >= 0
+    ok_tuple = (
+        isinstance(argnums, tuple)
+        and len(argnums) > 0
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in argnums)
+        and len(set(argnums)) == len(argnums)
+    )
+    if not (ok_int or ok_tuple):
+        raise TypeError(
+            f"gradaccum.{name}(fn, argnums=...): argnums must be a non-negative int or a "
+            f"non-empty tuple of distinct non-negative ints, as in torch.func.{name}, got "
+            f"{describe(argnums)}; pass e.g. argnums=0."
+        )
+    return argnums  # type: ignore[return-value]
+
+
+def _check_has_aux(name: str, has_aux: object) -> bool:
+    if not isinstance(has_aux, bool):
+        raise TypeError(
+            f"gradaccum.{name}(fn, has_aux=...): has_aux must be a bool, got {describe(has_aux)}."
+        )
+    return has_aux
