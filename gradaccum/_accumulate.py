@@ -30,7 +30,7 @@ def accumulate(
     reduction: _reduce.Reduction = "mean",
     count: Callable[[Any], int | float | torch.Tensor] | None = None,
     aux_reduction: Any = None,
-    argnums: int | tuple[int, ...] = 0,
+    argnums: int | tuple[int, ...] | None = None,
     batch_argnum: int = 1,
     accum_dtype: torch.dtype | None = None,
     sync: AllReduce | None = None,
@@ -71,7 +71,8 @@ def accumulate(
             ``count=lambda aux: aux[1]``) gets ``"sum"``, so it reports the total count.
         argnums: Which positional argument(s) the gradients are taken with respect to, as in
             ``torch.func.grad``; used to check the gradients' tree and to allocate the
-            accumulator.
+            accumulator. Default: ``step_fn``'s own for a [`grad()`][gradaccum.grad] /
+            [`grad_and_value()`][gradaccum.grad_and_value] function, else 0.
         batch_argnum: The position of the batch argument.
         accum_dtype: Dtype of the accumulator. Default: float32 for float16/bfloat16
             gradients, the gradient dtype otherwise. Gradients are returned in the dtype of the
@@ -146,8 +147,10 @@ def accumulate(
         )
     _reduce.check_aux_reduction(where, aux_reduction)
     _state.check_sync(where, sync)
-    grad_args = _check_argnums(where, argnums, batch_argnum)
     fast = step_fn if isinstance(step_fn, GradFn) else None
+    if argnums is None:
+        argnums = fast.argnums if fast is not None else 0
+    grad_args = _check_argnums(where, argnums, batch_argnum)
     if fast is not None:
         _check_fast(where, fast, argnums, has_aux)
 

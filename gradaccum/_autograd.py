@@ -131,11 +131,12 @@ class GradFn:
         else:
             value, aux = out, None
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            got = (
-                f"a tensor of shape {tuple(value.shape)}"
-                if isinstance(value, torch.Tensor)
-                else describe(value)
-            )
+            if isinstance(value, torch.Tensor):
+                got = f"a tensor of shape {tuple(value.shape)}"
+            elif isinstance(value, (tuple, list)):
+                got = f"{describe(value)} of length {len(value)}"
+            else:
+                got = describe(value)
             hint = (
                 "; if it returns (loss, aux), pass has_aux=True"
                 if isinstance(value, tuple) and not self.has_aux

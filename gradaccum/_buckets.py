@@ -1,12 +1,14 @@
 """Flat gradient buckets: which leaves go in which bucket, at which offset (no communication).
 
-Leaves are grouped by (device, accumulation dtype) in optree's flat order (dict keys sorted, so
-the same on every rank) and cut into buckets of at most ``bucket_mb``. The last bucket of the
+Leaves are grouped by (device, accumulation dtype) in reverse natural order of their key paths
+(the order backward produces them; the same on every rank) and cut into buckets of at most
+``bucket_mb``. The last bucket of the
 widest dtype carries a two-element tail: the window's weight and a "this rank failed" flag.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +59,23 @@ class Plan:
     description: tuple[str, ...]  # what the fingerprint covers, one line per item
 
 
+def _natural_key(path: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key comparing the numbers in a key path as numbers: ``layers.10`` after ``layers.9``."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", path) if p)
+
+
 def make_plan(lay: Any, cap: int) -> Plan:
-    """Group leaves by (device, dtype) in flat order, then cut into buckets of at most ``cap``."""
+    """Group leaves by (device, dtype), then cut into buckets of at most ``cap``.
+
+    Leaves are taken in *reverse* natural order of their key paths (``layers.10`` after
+    ``layers.9``), the order in which backward usually produces gradients for parameters
+    registered in forward order, so that with overlap the first bucket is ready first. The
+    order depends on the paths only, so it is the same on every rank.
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (dev, dt) in enumerate(zip(lay.devices, lay.accum_dtypes)):
-        groups.setdefault((dev, dt), []).append(i)
+    order = sorted(range(len(lay.paths)), key=lambda i: _natural_key(lay.paths[i]), reverse=True)
+    for i in order:
+        groups.setdefault((lay.devices[i], lay.accum_dtypes[i]), []).append(i)
     cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
     for (dev, dt), idx in groups.items():
         size = dt.itemsize

@@ -342,8 +342,9 @@ def all_reduce(
     bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
     tokens per rank, and a rank with an empty window contributes zero weight.
 
-    The flat order of leaves is optree's (dict keys sorted), so it is the same on every rank
-    whatever the dict insertion order.
+    Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
+    ``layers.9``), the order backward usually produces them; it depends only on the paths, so it
+    is the same on every rank whatever the dict insertion order.
 
     Args:
         group: The process group; ``None`` for the default (world) group.

@@ -1,0 +1,199 @@
+"""The fast path under a sync, on 2 gloo processes (127.0.0.1): gradaccum.grad / grad_and_value
+write each backward into the boundary buckets, and with overlap each bucket's all-reduce starts
+during the last backward. Equivalence with one process on the global batch, when collectives
+are issued, and failures in the middle of the overlapped backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run, values
+from models import (
+    max_diff,
+    mean_loss,
+    mlp_params,
+    regression_batch,
+    sum_loss,
+    token_batch,
+    token_mean_loss,
+    token_sum_loss,
+)
+from test_distributed import SPLIT, _reversed_dict, _shard
+from torch.func import grad
+
+import gradaccum
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
+    params = mlp_params(kind="dict")
+    mine = _reversed_dict(params) if rank == 1 else params
+    reg, tok = regression_batch(sum(SPLIT)), token_batch(sum(SPLIT))
+    ref = {
+        "mean": grad(mean_loss)(params, reg),
+        "sum": grad(sum_loss)(params, reg),
+        "count": grad(token_mean_loss)(params, tok),
+    }
+    diffs: dict[str, float] = {}
+    for overlap in (True, False):
+        for mb in (1e-4, 25):  # several buckets, or one
+            sync = gradaccum.all_reduce(bucket_mb=mb, overlap=overlap)
+            for n in (1, 3, 4):
+                key = f"overlap={overlap} bucket_mb={mb} n={n}"
+                step = gradaccum.accumulate(
+                    gradaccum.grad_and_value(mean_loss), n, has_aux=True, sync=sync
+                )
+                g, _ = step(mine, _shard(reg, rank))
+                diffs[f"mean {key}"] = max_diff(g, ref["mean"])
+                step = gradaccum.accumulate(gradaccum.grad(sum_loss), n, reduction="sum", sync=sync)
+                diffs[f"sum {key}"] = max_diff(step(mine, _shard(reg, rank)), ref["sum"])
+                step = gradaccum.accumulate(
+                    gradaccum.grad(token_sum_loss, has_aux=True),
+                    n,
+                    has_aux=True,
+                    reduction="count",
+                    count=lambda aux: aux,
+                    sync=sync,
+                )
+                g, _ = step(mine, _shard(tok, rank))
+                diffs[f"count {key}"] = max_diff(g, ref["count"])
+    sync = gradaccum.all_reduce(bucket_mb=1e-4)
+    step = gradaccum.accumulate(gradaccum.grad(mean_loss), 4, sync=sync)
+    only0 = (sum(SPLIT), 0)  # rank 1 empty
+    diffs["mean, rank 1 empty"] = max_diff(step(mine, _shard(reg, rank, only0)), ref["mean"])
+    short = (sum(SPLIT) - 2, 2)  # rank 1 shorter than n
+    diffs["mean, rank 1 short"] = max_diff(step(mine, _shard(reg, rank, short)), ref["mean"])
+    return diffs
+
+
+def test_fast_path_equals_one_process_on_the_global_batch() -> None:
+    for diffs in values(run(_fast_equivalence)):
+        assert len(diffs) == 2 * 2 * 3 * 3 + 2
+        bad = {k: v for k, v in diffs.items() if not v < 1e-12}
+        assert not bad, bad
+
+
+def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
+    """Record, for every all_reduce, how many forwards had run and whether autograd was running."""
+    forwards = [0]
+    seen: list[tuple[int, bool, int]] = []
+    real = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append((forwards[0], torch._C._current_graph_task_id() != -1, tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        forwards[0] += 1
+        return mean_loss(p, b)
+
+    dist.all_reduce = spy  # type: ignore[assignment]
+    try:
+        params = mlp_params(kind="dict")
+        sync = gradaccum.all_reduce(bucket_mb=1e-4, overlap=overlap)
+        plan = sync.plan(params)
+        step = gradaccum.accumulate(gradaccum.grad(loss_fn), 4, sync=sync)
+        windows = []
+        for w in range(2):
+            forwards[0] = 0
+            seen.clear()
+            with gradaccum.record_collectives() as log:
+                g = step(params, _shard(regression_batch(sum(SPLIT), seed=w), rank))
+            windows.append(
+                {
+                    "seen": list(seen),
+                    "log": [(c.purpose, c.numel) for c in log],
+                    "diff": max_diff(
+                        g, grad(mean_loss)(params, regression_batch(sum(SPLIT), seed=w))
+                    ),
+                }
+            )
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    return {"plan": [(b.numel, b.tail) for b in plan], "windows": windows}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_launches_buckets_during_the_last_backward_only(overlap: bool) -> None:
+    for out in values(run(_when, overlap)):
+        plan = out["plan"]
+        assert len(plan) >= 3
+        tail = [numel for numel, is_tail in plan if is_tail]
+        order = [numel for numel, is_tail in plan if not is_tail] + tail  # the tail goes last
+        for w, window in enumerate(out["windows"]):
+            assert window["diff"] < 1e-12
+            grads = window["seen"]
+            if w == 0:  # the fingerprint: after the last forward, before its backward
+                assert grads[0] == (4, False, 2)
+                grads = grads[1:]
+            assert [s[2] for s in grads] == order  # one all_reduce per bucket, in plan order
+            assert all(s[0] == 4 for s in window["seen"])  # nothing before the last micro-batch
+            inside = [s[1] for s in grads]
+            assert inside[-1] is False  # the bucket with the weight: after the backward
+            if overlap:
+                assert inside[0] is True  # the first bucket: during the last backward
+            else:
+                assert not any(inside)
+            assert [n for _, n in window["log"]] == [s[2] for s in window["seen"]]
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in the last backward")
+
+
+def _fails_mid_backward(rank: int, world: int) -> dict[str, Any]:
+    forwards = [0]
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        forwards[0] += 1
+        if rank == 1 and forwards[0] == 3:  # the last micro-batch; w1's gradient comes last
+            p = {**p, "w1": _Boom.apply(p["w1"])}
+        return mean_loss(p, b)
+
+    params = mlp_params(kind="dict")
+    sync = gradaccum.all_reduce(bucket_mb=1e-4, timeout=30)
+    launched: list[int] = []
+    real = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1:
+            launched.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy  # type: ignore[assignment]
+    step = gradaccum.accumulate(gradaccum.grad(loss_fn), 3, sync=sync)
+    out: dict[str, Any] = {}
+    try:
+        step(params, _shard(regression_batch(sum(SPLIT)), rank))
+        out["first"] = "returned"
+    except Exception as err:  # noqa: BLE001 - sent back to the test
+        out["first"] = f"{type(err).__name__}: {err}"
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+    out["launched_in_backward"] = launched
+    forwards[0] = 10  # no more failures: the group is still usable for the next window
+    g = step(params, _shard(regression_batch(sum(SPLIT)), rank))
+    out["after"] = max_diff(g, grad(mean_loss)(params, regression_batch(sum(SPLIT))))
+    return out
+
+
+def test_an_error_in_the_overlapped_backward_fails_every_rank() -> None:
+    r0, r1 = values(run(_fails_mid_backward))
+    assert r1["launched_in_backward"], "a bucket should be in flight when the error comes"
+    assert r1["first"].startswith("RuntimeError: boom in the last backward"), r1["first"]
+    assert r0["first"].startswith(
+        "GradAccumError: accumulate(loss_fn, n=3)(...): 1 other rank(s) of the 2 in the group "
+        "raised an error during this window (rank 0 did not)"
+    ), r0["first"]
+    assert r0["after"] < 1e-12
+    assert r1["after"] < 1e-12
