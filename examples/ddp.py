@@ -8,7 +8,9 @@ in one ``all_reduce`` per 25 MiB bucket (one here), so every rank gets the gradi
 loss over the *global* batch, exact also when the ranks hold unequal rows (``--batch 45`` on 2
 ranks: 23 and 22). Then, on every rank alike: ``gradaccum.clip_by_global_norm``,
 ``gradaccum.write_grads``, a ``torch.optim`` optimizer step and an LR scheduler step, once per
-window.
+window. The step function is ``gradaccum.grad_and_value``: each micro-batch's backward adds into
+the boundary buckets in place, and the all_reduce of each bucket starts as soon as the last
+micro-batch's backward has produced it.
 
 The backend follows the device: NCCL on ``cuda:LOCAL_RANK`` when there is a GPU per local rank,
 otherwise gloo on the CPU (pinned to the loopback interface when all ranks run on this machine).
@@ -18,7 +20,7 @@ the whole global batch (``loss.backward()``, ``clip_grad_norm_``, same optimizer
 no communication). The script prints the largest parameter difference between the two and exits
 with status 1 if it exceeds the tolerance (1e-9 for a float64 run, 1e-4 for float32). It also
 prints what ``gradaccum.record_collectives()`` logged per optimizer step, and fails if anything
-was logged while the micro-batches of a window ran.
+had been sent when a micro-batch's forward ran.
 
 Run it (a few seconds on 2 CPU cores)::
 
@@ -41,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call
 from tqdm import tqdm
 
 import gradaccum
@@ -157,20 +159,18 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     reference = copy.deepcopy(model).double() if args.check else None
     optimizer, scheduler = make_optimizer(model, args.steps)
 
+    per_step: list[list[gradaccum.Collective]] = []  # what gradaccum sent, window by window
+    inside: list[int] = []  # what each micro-batch's forward found already sent in its window
+
     def loss_fn(params: dict[str, torch.Tensor], batch) -> torch.Tensor:
+        inside.append(len(per_step[-1]))  # runs inside the window: nothing may be sent yet
         x, y = batch
         return nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
 
-    grad_fn = grad_and_value(loss_fn)
-    per_step: list[list[gradaccum.Collective]] = []  # what gradaccum sent, window by window
-    inside: list[int] = []  # what each micro-batch found already sent in its window
-
-    def step_fn(params, batch):
-        inside.append(len(per_step[-1]))  # runs inside the window: nothing may be sent yet
-        return grad_fn(params, batch)
-
     sync = gradaccum.all_reduce()  # build it once: it caches the bucket plan
-    step = gradaccum.accumulate(step_fn, args.n, has_aux=True, sync=sync)
+    # gradaccum.grad_and_value: each backward adds into the boundary buckets in place, and each
+    # bucket's all_reduce starts during the last micro-batch's backward (overlap).
+    step = gradaccum.accumulate(gradaccum.grad_and_value(loss_fn), args.n, has_aux=True, sync=sync)
     params = gradaccum.params_of(model)  # views: optimizer.step() updates them in place
 
     rows = [len(part) for part in torch.arange(args.batch).tensor_split(world)]

@@ -237,6 +237,7 @@ def _check_fast(where: str, fast: GradFn, argnums: object, has_aux: bool) -> Non
         )
 
 
+@torch.compiler.disable  # autograd hooks and .grad writes: run eagerly (compile the loss_fn)
 def _fast_window(
     call: str,
     fn: GradFn,

@@ -178,6 +178,15 @@ def test_compiled_loss_inside_the_fast_path() -> None:
     assert abs(float(loss - rloss)) < 1e-14
 
 
+def test_compiling_the_accumulated_function_runs_the_window_eagerly() -> None:
+    # torch.compile cannot trace autograd hooks and .grad writes: the window falls back to eager
+    # (compile the loss function instead, as above), and the result is still right.
+    params, reg = mlp_params(), regression_batch(12)
+    torch._dynamo.reset()
+    step = torch.compile(gradaccum.accumulate(gradaccum.grad(mean_loss), 4), backend="aot_eager")
+    assert max_diff(step(params, reg), torch.func.grad(mean_loss)(params, reg)) < 1e-14
+
+
 def test_an_error_mid_window_leaves_nothing_behind() -> None:
     params, reg = mlp_params(), regression_batch(8)
     calls = [0]
