@@ -4,10 +4,12 @@ Strategies, run interleaved (round-robin, so machine drift hits all alike), medi
 
 - ``backward``: the classic loop, ``(loss * rows / B).backward()`` into ``.grad`` per micro-batch;
 - ``func-hand``: ``torch.func.grad`` per micro-batch, summed by hand with ``torch._foreach_add_``;
-- ``gradaccum``: ``gradaccum.accumulate(torch.func.grad(loss_fn), n)``.
+- ``gradaccum-func``: ``gradaccum.accumulate(torch.func.grad(loss_fn), n)``;
+- ``gradaccum``: ``gradaccum.accumulate(gradaccum.grad(loss_fn), n)``, the fast path (each
+  backward adds into the accumulator in place).
 
-``gradaccum / func-hand`` is the library's own overhead (same gradient engine);
-``gradaccum / backward`` adds the difference between torch.func and ``loss.backward()``.
+``gradaccum-func / func-hand`` is the library's own overhead over the same gradient engine;
+``gradaccum / backward`` is the fast path against the classic loop (same engine too).
 
     python benchmarks/overhead.py                 # MLP of ~2M parameters, n in 1 4 8 16
     python benchmarks/overhead.py --small         # a tiny model: per-micro-batch Python cost shows
@@ -25,7 +27,7 @@ from torch.func import functional_call, grad
 import gradaccum
 
 
-def _strategies(model, params, loss_fn, g_fn, x, y, mbs, step):
+def _strategies(model, params, loss_fn, g_fn, x, y, mbs, step, fast):
     def backward() -> None:
         model.zero_grad(set_to_none=True)
         for xb, yb in mbs:
@@ -41,10 +43,18 @@ def _strategies(model, params, loss_fn, g_fn, x, y, mbs, step):
                 torch._foreach_add_(acc, g, alpha=len(xb))
         torch._foreach_div_(acc, len(x))
 
-    def ours() -> None:
+    def ours_func() -> None:
         step(params, (x, y))
 
-    return {"backward": backward, "func-hand": func_hand, "gradaccum": ours}
+    def ours() -> None:
+        fast(params, (x, y))
+
+    return {
+        "backward": backward,
+        "func-hand": func_hand,
+        "gradaccum-func": ours_func,
+        "gradaccum": ours,
+    }
 
 
 def main() -> None:
@@ -75,8 +85,8 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, median of {args.steps} steps"
     )
     print(
-        f"{'n':>3} {'backward ms':>12} {'func-hand ms':>13} {'gradaccum ms':>13} "
-        f"{'ga/func-hand':>13} {'ga/backward':>12}"
+        f"{'n':>3} {'backward ms':>12} {'func-hand ms':>13} {'ga-func ms':>11} {'ga ms':>8} "
+        f"{'ga-func/func-hand':>18} {'ga/backward':>12} {'us/micro (ga-func - func-hand)':>31}"
     )
     g_fn = grad(loss_fn)
     for n in args.ns:
@@ -84,8 +94,9 @@ def main() -> None:
         y = torch.randint(0, 10, (args.micro * n,))
         mbs = list(zip(x.chunk(n), y.chunk(n), strict=True))
         step = gradaccum.accumulate(g_fn, n)
+        fast = gradaccum.accumulate(gradaccum.grad(loss_fn), n)
 
-        fns = _strategies(model, params, loss_fn, g_fn, x, y, mbs, step)
+        fns = _strategies(model, params, loss_fn, g_fn, x, y, mbs, step, fast)
         times: dict[str, list[float]] = {k: [] for k in fns}
         for k in fns:  # warm-up
             fns[k]()
@@ -95,10 +106,12 @@ def main() -> None:
                 fn()
                 times[k].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        per_micro = (med["gradaccum-func"] - med["func-hand"]) / n * 1e3
         print(
             f"{n:>3} {med['backward']:>12.2f} {med['func-hand']:>13.2f} "
-            f"{med['gradaccum']:>13.2f} {med['gradaccum'] / med['func-hand']:>13.3f} "
-            f"{med['gradaccum'] / med['backward']:>12.3f}"
+            f"{med['gradaccum-func']:>11.2f} {med['gradaccum']:>8.2f} "
+            f"{med['gradaccum-func'] / med['func-hand']:>18.3f} "
+            f"{med['gradaccum'] / med['backward']:>12.3f} {per_micro:>31.1f}"
         )
 
 
