@@ -237,7 +237,7 @@ def _check_fast(where: str, fast: GradFn, argnums: object, has_aux: bool) -> Non
         )
 
 
-@torch.compiler.disable  # autograd hooks and .grad writes: run eagerly (compile the loss_fn)
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # hooks, .grad writes: eager
 def _fast_window(
     call: str,
     fn: GradFn,
@@ -269,9 +269,9 @@ def _fast_window(
     # In place via .grad when the sums have the gradients' dtype; otherwise (low-precision
     # params, wider accumulator) a hook adds each gradient, scaled, and drops it.
     direct = all(s.dtype == leaf.dtype for s, leaf in zip(sums, leaves))
-    alpha_now = [1]
+    alpha_now: list[float] = [1]
     handles = []
-    seeds: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+    seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
     def add_hook(s: torch.Tensor, leaf: torch.Tensor) -> None:
         s.add_(leaf.grad, alpha=alpha_now[0])  # type: ignore[arg-type]
@@ -288,12 +288,16 @@ def _fast_window(
                     )
                 )
         last = len(micro) - 1
+        # One process, mean: seed each backward with rows / total rows (as a hand-written loop
+        # scales its loss), so the sums are the mean already and the boundary divides by 1.
+        prescale = sum(rows for _, rows in micro) if sync is None and reduction == "mean" else 0
         for j, (mb, rows) in enumerate(micro):
             new_args[batch_argnum] = mb
             value, aux = fn.forward(call, new_args, kwargs)
             raw = count(aux) if count is not None else None
             items = _reduce.check_count(call, raw) if count is not None else None
             alpha, weight = _state.micro_weight(call, reduction, rows, items)
+            scale: float = alpha / prescale if prescale else alpha
             if j == last and sync is not None and sync.overlap:
                 # Open the boundary before the last backward: its hooks launch each bucket's
                 # all-reduce as soon as all of the bucket's leaves have their final sum.
@@ -306,14 +310,14 @@ def _fast_window(
                 )
             if leaves and value.requires_grad:
                 if direct:
-                    key = (alpha, value.dtype, value.device)
+                    key = (scale, value.dtype, value.device)
                     seed = seeds.get(key)
                     if seed is None:
                         seed = seeds[key] = torch.full(
-                            (), alpha, dtype=value.dtype, device=value.device
+                            (), scale, dtype=value.dtype, device=value.device
                         )
                 else:
-                    alpha_now[0] = alpha
+                    alpha_now[0] = scale
                     seed = None
                 torch.autograd.backward(value, seed, inputs=leaves)
             win.state = state = _state.AccumState(
@@ -322,6 +326,8 @@ def _fast_window(
             if aux_acc is not None:
                 aux_acc.add(aux, rows, items, raw)
             del value, aux, raw, mb
+        if prescale:  # the sums are the mean already
+            win.state = state._replace(weight=1)
     finally:
         for h in handles:
             h.remove()

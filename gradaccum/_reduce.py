@@ -242,5 +242,5 @@ def add_into(sums: list[torch.Tensor], grads: list[torch.Tensor], alpha: int) ->
 
 def normalise(reduction: Reduction, sums: list[torch.Tensor], weight: Weight) -> None:
     """Divide by the total weight in place (``mean``, ``count``); ``sum`` is left as it is."""
-    if reduction != "sum":
+    if reduction != "sum" and not (isinstance(weight, (int, float)) and weight == 1):
         torch._foreach_div_(sums, weight)
