@@ -254,39 +254,58 @@ def _fast_window(
 ) -> None:
     """The window of a torch.autograd step function: backward straight into the accumulator.
 
-    The differentiated arguments become autograd leaves sharing the params' storage, whose
-    ``.grad`` is the running sum itself (a view into a boundary bucket under a sync), so each
-    backward adds its micro-batch's gradient in place, scaled by the micro-batch's weight
-    through the seed of the backward, as a hand-written loop does. With ``sync.overlap``, each
-    bucket's all-reduce starts during the last backward, as soon as its gradients are final.
+    The differentiated arguments become autograd leaves sharing the params' storage, and each
+    backward accumulates into their ``.grad``, seeded with the micro-batch's weight, as a
+    hand-written ``loss.backward()`` loop does:
+
+    - one process: ``.grad`` is the running sum (the first backward's gradient is kept as is,
+      the later ones are added into it in place);
+    - under a sync: after the first backward, each gradient is copied into its view of a
+      boundary bucket, which becomes ``.grad``, so the later backwards add into the buckets;
+      with ``sync.overlap``, each bucket's all-reduce starts during the last backward, as soon
+      as all of its leaves have their final sum;
+    - low-precision params with a wider accumulator: a hook adds each gradient, scaled, into the
+      (zeroed) sums and drops it.
     """
     state = win.state
     assert state is not None
     lay = state.layout
     new_args, leaves, _ = fn.alias(call, args)
-    sums = _state.allocate(lay, sync)
-    win.state = state = state._replace(sums=_tree.unflatten(lay.spec, sums))
-    # In place via .grad when the sums have the gradients' dtype; otherwise (low-precision
-    # params, wider accumulator) a hook adds each gradient, scaled, and drops it.
-    direct = all(s.dtype == leaf.dtype for s, leaf in zip(sums, leaves))
+    direct = lay.accum_dtypes == lay.dtypes
+    sums: list[torch.Tensor] | None = None
+    if not direct:
+        sums = _state.allocate(lay, sync)
+    elif sync is not None:
+        sums = sync._allocate(lay)  # uninitialised: the first backward's gradients go in
+    if sums is not None:
+        win.state = state = state._replace(sums=_tree.unflatten(lay.spec, sums))
     alpha_now: list[float] = [1]
-    handles = []
+    handles: list[Any] = []
+    first: list[Any] = []  # the hooks that move the first gradients into the buckets
+    moved: set[int] = set()
     seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
     def add_hook(s: torch.Tensor, leaf: torch.Tensor) -> None:
         s.add_(leaf.grad, alpha=alpha_now[0])  # type: ignore[arg-type]
         leaf.grad = None
 
+    def move_hook(i: int, leaf: torch.Tensor) -> None:
+        assert sums is not None
+        assert leaf.grad is not None
+        sums[i].copy_(leaf.grad)
+        leaf.grad = sums[i]
+        moved.add(i)
+
+    def hook(leaf: torch.Tensor, fn: Callable[..., None], *args: Any) -> Any:
+        return leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            functools.partial(fn, *args)
+        )
+
     try:
-        for s, leaf in zip(sums, leaves):
-            if direct:
-                leaf.grad = s
-            else:
-                handles.append(
-                    leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                        functools.partial(add_hook, s)
-                    )
-                )
+        if not direct:
+            handles.extend(hook(leaf, add_hook, s) for s, leaf in zip(sums or [], leaves))
+        elif sums is not None:
+            first.extend(hook(leaf, move_hook, i) for i, leaf in enumerate(leaves))
         last = len(micro) - 1
         # One process, mean: seed each backward with rows / total rows (as a hand-written loop
         # scales its loss), so the sums are the mean already and the boundary divides by 1.
@@ -301,35 +320,44 @@ def _fast_window(
             if j == last and sync is not None and sync.overlap:
                 # Open the boundary before the last backward: its hooks launch each bucket's
                 # all-reduce as soon as all of the bucket's leaves have their final sum.
+                assert sums is not None
                 win.pending = pending = sync._begin(call, reduction, lay, sums)
-                handles.extend(
-                    leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                        functools.partial(pending.leaf_ready, i)
-                    )
-                    for i, leaf in enumerate(leaves)
-                )
+                handles.extend(hook(leaf, pending.leaf_ready, i) for i, leaf in enumerate(leaves))
             if leaves and value.requires_grad:
                 if direct:
                     key = (scale, value.dtype, value.device)
                     seed = seeds.get(key)
                     if seed is None:
-                        seed = seeds[key] = torch.full(
-                            (), scale, dtype=value.dtype, device=value.device
-                        )
+                        seed = torch.full((), scale, dtype=value.dtype, device=value.device)
+                        seeds[key] = seed
                 else:
                     alpha_now[0] = scale
                     seed = None
                 torch.autograd.backward(value, seed, inputs=leaves)
+            if j == 0 and first:
+                for h in first:
+                    h.remove()
+                first.clear()
+                assert sums is not None
+                for i, leaf in enumerate(leaves):
+                    if i not in moved:  # no gradient in this micro-batch: start from zero
+                        sums[i].zero_()
+                        leaf.grad = sums[i]
             win.state = state = _state.AccumState(
                 state.sums, state.weight + weight, state.micro_step + 1, state.window, lay
             )
             if aux_acc is not None:
                 aux_acc.add(aux, rows, items, raw)
             del value, aux, raw, mb
+        if sums is None:  # one process, in place: the leaves' .grad are the sums
+            out = [
+                leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves
+            ]
+            win.state = state = state._replace(sums=_tree.unflatten(lay.spec, out))
         if prescale:  # the sums are the mean already
             win.state = state._replace(weight=1)
     finally:
-        for h in handles:
+        for h in handles + first:
             h.remove()
         for leaf in leaves:
             leaf.grad = None

@@ -73,6 +73,20 @@ def test_unused_params_get_zero_gradients_like_torch_func() -> None:
     assert torch.equal(g["unused"], torch.zeros(3, dtype=F64))
     g = gradaccum.grad(lambda p, b: torch.tensor(1.0))(params, batch)  # no dependence at all
     assert all(torch.equal(t, torch.zeros_like(t)) for t in g.values())
+    for n in (1, 3):  # and inside accumulate's fast path
+        g = gradaccum.accumulate(gradaccum.grad(mean_loss), n)(params, batch)
+        assert max_diff(g, torch.func.grad(mean_loss)(params, batch)) < 1e-15
+        g = gradaccum.accumulate(gradaccum.grad(lambda p, b: torch.tensor(1.0)), n)(params, batch)
+        assert all(torch.equal(t, torch.zeros_like(t)) for t in g.values())
+
+
+def test_returned_gradients_stay_valid_after_the_next_window() -> None:
+    params = mlp_params()
+    step = gradaccum.accumulate(gradaccum.grad(mean_loss), 2)
+    first = step(params, regression_batch(6, seed=1))
+    kept = {k: v.clone() for k, v in first.items()}
+    step(params, regression_batch(6, seed=2))
+    assert max_diff(first, kept) == 0
 
 
 def test_module_parameters_and_their_grad_are_left_alone() -> None:

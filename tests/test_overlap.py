@@ -61,6 +61,18 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
                 )
                 g, _ = step(mine, _shard(tok, rank))
                 diffs[f"count {key}"] = max_diff(g, ref["count"])
+    # A leaf without a gradient (zeros, as torch.func gives), alone in its bucket or not.
+    extra = {**mine, "unused": torch.ones(3, dtype=torch.float64)}
+    for mb in (1e-4, 25):
+        for n in (1, 3):
+            step = gradaccum.accumulate(
+                gradaccum.grad(mean_loss), n, sync=gradaccum.all_reduce(bucket_mb=mb)
+            )
+            g = step(extra, _shard(reg, rank))
+            unused = g.pop("unused")
+            diffs[f"unused leaf bucket_mb={mb} n={n}"] = max(
+                max_diff(g, ref["mean"]), float(unused.abs().max())
+            )
     sync = gradaccum.all_reduce(bucket_mb=1e-4)
     step = gradaccum.accumulate(gradaccum.grad(mean_loss), 4, sync=sync)
     only0 = (sum(SPLIT), 0)  # rank 1 empty
@@ -72,7 +84,7 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
 
 def test_fast_path_equals_one_process_on_the_global_batch() -> None:
     for diffs in values(run(_fast_equivalence)):
-        assert len(diffs) == 2 * 2 * 3 * 3 + 2
+        assert len(diffs) == 2 * 2 * 3 * 3 + 4 + 2
         bad = {k: v for k, v in diffs.items() if not v < 1e-12}
         assert not bad, bad
 
