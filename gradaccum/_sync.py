@@ -71,7 +71,7 @@ class AllReduce:
             >>> sync = gradaccum.all_reduce(bucket_mb=1)
             >>> params = {"w": torch.zeros(300_000), "b": torch.zeros(10)}
             >>> [(b.paths, b.numel) for b in sync.plan(params)]
-            [(("['b']",), 10), (("['w']",), 300002)]
+            [(("['w']",), 300000), (("['b']",), 12)]
         """
         from ._state import make_layout
 

@@ -50,7 +50,7 @@ def world_of_one() -> Iterator[None]:
 # -- plans (dry runs, no process group) --------------------------------------------------------
 
 
-def test_plan_groups_by_dtype_keeps_flat_order_and_respects_the_cap() -> None:
+def test_plan_groups_by_dtype_in_reverse_path_order_and_respects_the_cap() -> None:
     params = {
         "c": torch.zeros(100, dtype=torch.float32),  # 400 bytes
         "a": torch.zeros(100, dtype=F64),  # 800 bytes
@@ -59,11 +59,19 @@ def test_plan_groups_by_dtype_keeps_flat_order_and_respects_the_cap() -> None:
     }
     plan = gradaccum.all_reduce(bucket_mb=1000 / 2**20).plan(params)
     got = [(b.dtype, b.paths, b.numel, b.nbytes, b.tail) for b in plan]
-    assert got == [  # grouped by (device, dtype) in order of first appearance
-        (F64, ("['a']",), 100, 800, False),  # a and d exceed 1000 bytes together
-        (F64, ("['d']",), 52, 416, True),  # the weight rides in the last float64 bucket
-        (torch.float32, ("['b']", "['c']"), 110, 440, False),
+    assert got == [  # leaves in reverse path order, grouped by (device, dtype) as they come
+        (F64, ("['d']",), 50, 400, False),  # d and a exceed 1000 bytes together
+        (F64, ("['a']",), 102, 816, True),  # the weight rides in the last float64 bucket
+        (torch.float32, ("['c']", "['b']"), 110, 440, False),
     ]
+
+
+def test_plan_order_compares_numbers_in_paths_as_numbers() -> None:
+    # Backward produces gradients from the last layer to the first: the first bucket holds the
+    # last layers, with layers.10 after layers.9 (not between layers.1 and layers.2).
+    params = {f"layers.{i}.weight": torch.zeros(4) for i in range(12)}
+    plan = gradaccum.all_reduce(bucket_mb=16 / 2**20).plan(params)
+    assert [b.paths[0] for b in plan] == [f"['layers.{i}.weight']" for i in reversed(range(12))]
 
 
 def test_plan_for_low_precision_accumulators_adds_a_float32_weight_bucket() -> None:
