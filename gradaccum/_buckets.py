@@ -1,8 +1,8 @@
 """Flat gradient buckets: which leaves go in which bucket, at which offset (no communication).
 
 Leaves are grouped by (device, accumulation dtype) in reverse natural order of their key paths
-(the order backward produces them; the same on every rank) and cut into buckets of at most
-``bucket_mb``. The last bucket of the
+(the order backward produces them; the same on every rank) and added to a bucket until it holds
+at least ``bucket_mb`` (1 MiB for the first bucket), as DDP does. The last bucket of the
 widest dtype carries a two-element tail: the window's weight and a "this rank failed" flag.
 """
 
@@ -19,6 +19,7 @@ from ._errors import dtype_name
 __all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "make_plan"]
 
 TAIL = 2  # [weight, failed]
+FIRST = 2**20  # bytes: the first bucket's limit, as DDP's (so the first all-reduce starts early)
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,15 @@ def _natural_key(path: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def make_plan(lay: Any, cap: int) -> Plan:
-    """Group leaves by (device, dtype), then cut into buckets of at most ``cap``.
+    """Group leaves by (device, dtype), then fill buckets until each holds at least ``cap``.
 
+    As in DDP: leaves are added to a bucket until it reaches its limit (a leaf is never split,
+    so a bucket may exceed the limit by its last leaf), and the first bucket of each group has
+    a limit of ``min(FIRST, cap)``, so that with overlap the first all-reduce starts early.
     Leaves are taken in *reverse* natural order of their key paths (``layers.10`` after
     ``layers.9``), the order in which backward usually produces gradients for parameters
-    registered in forward order, so that with overlap the first bucket is ready first. The
-    order depends on the paths only, so it is the same on every rank.
+    registered in forward order, so that the first bucket is ready first. The order depends on
+    the paths only, so it is the same on every rank.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     order = sorted(range(len(lay.paths)), key=lambda i: _natural_key(lay.paths[i]), reverse=True)
@@ -80,15 +84,15 @@ def make_plan(lay: Any, cap: int) -> Plan:
     for (dev, dt), idx in groups.items():
         size = dt.itemsize
         current: list[int] = []
-        used = 0
+        used, limit = 0, min(FIRST, cap)
         for i in idx:
-            nbytes = lay.shapes[i].numel() * size
-            if current and used + nbytes > cap:
-                cut.append((dev, dt, current))
-                current, used = [], 0
             current.append(i)
-            used += nbytes
-        cut.append((dev, dt, current))
+            used += lay.shapes[i].numel() * size
+            if used >= limit:
+                cut.append((dev, dt, current))
+                current, used, limit = [], 0, cap
+        if current or not any(c[0] == dev and c[1] == dt for c in cut):
+            cut.append((dev, dt, current))
     if not cut:
         cut.append((torch.device("cpu"), torch.float64, []))
     # The weight rides in the last bucket of the widest dtype that counts exactly.

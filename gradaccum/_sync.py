@@ -348,8 +348,11 @@ def all_reduce(
 
     Args:
         group: The process group; ``None`` for the default (world) group.
-        bucket_mb: Bucket size cap in MiB (leaves are never split; a larger leaf gets a bucket
-            of its own). Fewer, larger buckets mean fewer collectives.
+        bucket_mb: Bucket size in MiB. As in DDP, a bucket takes leaves until it holds at
+            least ``bucket_mb`` (leaves are never split, so a bucket may exceed it by its last
+            leaf), and the first bucket of each dtype closes at 1 MiB, so that with overlap the
+            first all-reduce starts early. Fewer, larger buckets mean fewer collectives; more
+            buckets, more overlap.
         check: ``"first"`` (default): on the first boundary of each gradient layout, the ranks
             exchange an 8-byte fingerprint of their key paths, shapes, dtypes, reduction and
             buckets; a mismatch raises [`GradAccumError`][gradaccum.GradAccumError] on every

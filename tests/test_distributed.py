@@ -65,7 +65,7 @@ def _equivalence(rank: int, world: int) -> dict[str, Any]:
         "count": grad(token_mean_loss)(params, tok),
     }
     for n in (1, 3, 4):
-        sync = gradaccum.all_reduce(bucket_mb=1e-4)  # ~100 bytes: several buckets
+        sync = gradaccum.all_reduce(bucket_mb=1e-5)  # ~10 bytes: several buckets
         step = gradaccum.accumulate(grad(mean_loss), n, sync=sync)
         diffs[f"mean n={n}"] = max_diff(step(mine, _shard(reg, rank)), ref["mean"])
         step = gradaccum.accumulate(grad(sum_loss), n, reduction="sum", sync=sync)
@@ -141,7 +141,7 @@ def _counts(rank: int, world: int) -> dict[str, Any]:
         seen_inside.append(len(calls))
         return grad(mean_loss)(p, b)
 
-    sync = gradaccum.all_reduce(bucket_mb=1e-4)
+    sync = gradaccum.all_reduce(bucket_mb=1e-5)
     plan = sync.plan(params)
     step = gradaccum.accumulate(step_fn, 4, sync=sync)
     out: dict[str, Any] = {"plan": [(str(b.dtype), b.numel, b.nbytes, b.tail) for b in plan]}

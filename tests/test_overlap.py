@@ -40,7 +40,7 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
     }
     diffs: dict[str, float] = {}
     for overlap in (True, False):
-        for mb in (1e-4, 25):  # several buckets, or one
+        for mb in (1e-5, 25):  # several buckets, or one
             sync = gradaccum.all_reduce(bucket_mb=mb, overlap=overlap)
             for n in (1, 3, 4):
                 key = f"overlap={overlap} bucket_mb={mb} n={n}"
@@ -63,7 +63,7 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
                 diffs[f"count {key}"] = max_diff(g, ref["count"])
     # A leaf without a gradient (zeros, as torch.func gives), alone in its bucket or not.
     extra = {**mine, "unused": torch.ones(3, dtype=torch.float64)}
-    for mb in (1e-4, 25):
+    for mb in (1e-5, 25):
         for n in (1, 3):
             step = gradaccum.accumulate(
                 gradaccum.grad(mean_loss), n, sync=gradaccum.all_reduce(bucket_mb=mb)
@@ -73,7 +73,7 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
             diffs[f"unused leaf bucket_mb={mb} n={n}"] = max(
                 max_diff(g, ref["mean"]), float(unused.abs().max())
             )
-    sync = gradaccum.all_reduce(bucket_mb=1e-4)
+    sync = gradaccum.all_reduce(bucket_mb=1e-5)
     step = gradaccum.accumulate(gradaccum.grad(mean_loss), 4, sync=sync)
     only0 = (sum(SPLIT), 0)  # rank 1 empty
     diffs["mean, rank 1 empty"] = max_diff(step(mine, _shard(reg, rank, only0)), ref["mean"])
@@ -106,7 +106,7 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
     dist.all_reduce = spy  # type: ignore[assignment]
     try:
         params = mlp_params(kind="dict")
-        sync = gradaccum.all_reduce(bucket_mb=1e-4, overlap=overlap)
+        sync = gradaccum.all_reduce(bucket_mb=1e-5, overlap=overlap)
         plan = sync.plan(params)
         step = gradaccum.accumulate(gradaccum.grad(loss_fn), 4, sync=sync)
         windows = []
@@ -173,7 +173,7 @@ def _fails_mid_backward(rank: int, world: int) -> dict[str, Any]:
         return mean_loss(p, b)
 
     params = mlp_params(kind="dict")
-    sync = gradaccum.all_reduce(bucket_mb=1e-4, timeout=30)
+    sync = gradaccum.all_reduce(bucket_mb=1e-5, timeout=30)
     launched: list[int] = []
     real = dist.all_reduce
 

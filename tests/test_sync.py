@@ -57,13 +57,18 @@ def test_plan_groups_by_dtype_in_reverse_path_order_and_respects_the_cap() -> No
         "b": torch.zeros(10, dtype=torch.bfloat16),  # accumulated in float32: 40 bytes
         "d": torch.zeros(50, dtype=F64),  # 400 bytes
     }
-    plan = gradaccum.all_reduce(bucket_mb=1000 / 2**20).plan(params)
+    plan = gradaccum.all_reduce(bucket_mb=300 / 2**20).plan(params)
     got = [(b.dtype, b.paths, b.numel, b.nbytes, b.tail) for b in plan]
     assert got == [  # leaves in reverse path order, grouped by (device, dtype) as they come
-        (F64, ("['d']",), 50, 400, False),  # d and a exceed 1000 bytes together
+        (F64, ("['d']",), 50, 400, False),  # d alone reaches 300 bytes: the bucket closes
         (F64, ("['a']",), 102, 816, True),  # the weight rides in the last float64 bucket
-        (torch.float32, ("['c']", "['b']"), 110, 440, False),
+        (torch.float32, ("['c']",), 100, 400, False),
+        (torch.float32, ("['b']",), 10, 40, False),  # what is left: below the limit
     ]
+    # As in DDP, a bucket takes leaves until it reaches its limit, and the first bucket of each
+    # group has a limit of 1 MiB (so that the first all-reduce can start early).
+    big = {f"l{i}": torch.zeros(2**17) for i in range(6)}  # 512 KiB each
+    assert [len(b.paths) for b in gradaccum.all_reduce(bucket_mb=2).plan(big)] == [2, 4]
 
 
 def test_plan_order_compares_numbers_in_paths_as_numbers() -> None:
@@ -87,7 +92,7 @@ def test_plan_order_is_the_same_whatever_the_dict_insertion_order() -> None:
     params = mlp_params(kind="dict")
     assert isinstance(params, dict)
     backwards = dict(reversed(list(params.items())))
-    sync = gradaccum.all_reduce(bucket_mb=1e-4)
+    sync = gradaccum.all_reduce(bucket_mb=1e-5)
     assert sync.plan(params) == sync.plan(backwards)
 
 
@@ -108,7 +113,7 @@ def test_sync_needs_an_initialised_process_group() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_world_of_one_equals_no_sync_and_grads_are_bucket_views() -> None:
     params, batch = mlp_params(kind="nested"), regression_batch(12)
-    sync = gradaccum.all_reduce(bucket_mb=1e-4)
+    sync = gradaccum.all_reduce(bucket_mb=1e-5)
     plain = gradaccum.accumulate(grad(mean_loss), 3)(params, batch)
     synced = gradaccum.accumulate(grad(mean_loss), 3, sync=sync)(params, batch)
     assert max_diff(plain, synced) < 1e-15
@@ -137,7 +142,7 @@ def test_world_of_one_count_reduction_with_tensor_counts_and_records() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_streaming_with_sync_resumes_mid_window_bit_identically() -> None:
     params = mlp_params()
-    acc = gradaccum.Accumulator(n=3, sync=gradaccum.all_reduce(bucket_mb=1e-4))
+    acc = gradaccum.Accumulator(n=3, sync=gradaccum.all_reduce(bucket_mb=1e-5))
     batches = [regression_batch(4, seed=s) for s in range(3)]
     state = acc.init(params)
     state = acc.add(state, grad(mean_loss)(params, batches[0]), size=4)
