@@ -237,6 +237,9 @@ def make_strategy(
         accumulated = gradaccum.accumulate(gv(loss_fn), n, has_aux=True, sync=sync)
 
         def ga_step(batch: bm.Batch) -> None:
+            # Free the last step's gradients before the window allocates its sums, as the other
+            # strategies do (write_grads replaces .grad, so this is for memory only).
+            opt.zero_grad(set_to_none=True)
             if log is None:
                 grads, _ = accumulated(params, batch)
             else:
