@@ -47,7 +47,11 @@ def accumulate(
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
             ``-> (grads, aux)`` with ``has_aux=True``: e.g. ``torch.func.grad(loss_fn)`` or
             ``torch.func.grad_and_value(loss_fn)``. ``grads`` must be shaped like the argument(s)
-            selected by ``argnums``.
+            selected by ``argnums``. With [`gradaccum.grad`][gradaccum.grad] or
+            [`gradaccum.grad_and_value`][gradaccum.grad_and_value] (the same results, by
+            torch.autograd) each backward adds straight into the accumulator, no gradient tree is
+            made per micro-batch, and under a sync each bucket's all-reduce starts during the
+            last backward: the fast path.
         n: The number of micro-batches to split each batch into. When ``n`` does not divide
             the batch, the first micro-batches get one row more (the result stays exact). A
             [`MicroBatches`][gradaccum.MicroBatches] batch is used as given, whatever ``n``.
