@@ -195,9 +195,7 @@ def accumulate(
                 for mb, rows in micro:
                     out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
                     grads, aux = _unpack(call, out) if has_aux else (out, None)
-                    raw = count(aux) if count is not None else None
-                    items = _reduce.check_count(call, raw) if count is not None else None
-                    alpha, weight = _state.micro_weight(call, reduction, rows, items)
+                    raw, items, alpha, weight = _weigh(call, reduction, count, rows, aux)
                     win.state = _state.add_grads(call, win.state, grads, alpha, weight, sync)
                     if aux_acc is not None:
                         aux_acc.add(aux, rows, items, raw)
@@ -218,6 +216,20 @@ def accumulate(
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)
     return accumulated
+
+
+def _weigh(
+    call: str,
+    reduction: _reduce.Reduction,
+    count: Callable[[Any], Any] | None,
+    rows: int,
+    aux: Any,
+) -> tuple[Any, _reduce.Weight | None, int, _reduce.Weight]:
+    """One micro-batch's ``(raw count, checked count, alpha, weight)``."""
+    raw = count(aux) if count is not None else None
+    items = _reduce.check_count(call, raw) if count is not None else None
+    alpha, weight = _state.micro_weight(call, reduction, rows, items)
+    return raw, items, alpha, weight
 
 
 class _Window:
@@ -317,9 +329,7 @@ def _fast_window(
         for j, (mb, rows) in enumerate(micro):
             new_args[batch_argnum] = mb
             value, aux = fn.forward(call, new_args, kwargs)
-            raw = count(aux) if count is not None else None
-            items = _reduce.check_count(call, raw) if count is not None else None
-            alpha, weight = _state.micro_weight(call, reduction, rows, items)
+            raw, items, alpha, weight = _weigh(call, reduction, count, rows, aux)
             scale: float = alpha / prescale if prescale else alpha
             if j == last and sync is not None and sync.overlap:
                 # Open the boundary before the last backward: its hooks launch each bucket's

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _tree
+from . import _state, _tree
 from ._errors import describe, dtype_name
 
 __all__ = ["GradFn", "grad", "grad_and_value"]
@@ -61,6 +61,7 @@ class GradFn:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = f"{self!r}(...)"
+        _state.make_layout(where, self._target(where, args), None)  # floating leaves only
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:
@@ -72,6 +73,16 @@ class GradFn:
         tree = _tree.unflatten(spec, grads)
         return (tree, aux) if self.returns_aux else tree
 
+    def _target(self, where: str, args: Sequence[Any]) -> Any:
+        """The differentiated argument(s): one tree, or a tuple of trees for tuple argnums."""
+        pos = self._positions
+        if len(args) <= max(pos):
+            raise TypeError(
+                f"{where}: expected the params at position(s) {list(pos)}, got {len(args)} "
+                f"positional argument(s); pass them positionally, e.g. step(params, batch)."
+            )
+        return args[pos[0]] if isinstance(self.argnums, int) else tuple(args[i] for i in pos)
+
     # -- the pieces accumulate uses --------------------------------------------------------------
 
     def alias(
@@ -79,35 +90,19 @@ class GradFn:
     ) -> tuple[list[Any], list[torch.Tensor], _tree.PyTreeSpec]:
         """Replace the differentiated arguments by fresh autograd leaves sharing their storage.
 
+        The leaves are not validated here: accumulate has checked them (``make_layout``).
         Returns the new positional arguments, the leaves in flat order, and the spec of the
         differentiated argument (a tuple of trees when ``argnums`` is a tuple).
         """
-        pos = self._positions
-        if len(args) <= max(pos):
-            raise TypeError(
-                f"{where}: expected the params at position(s) {list(pos)}, got {len(args)} "
-                f"positional argument(s); pass them positionally, e.g. step(params, batch)."
-            )
-        target = args[pos[0]] if isinstance(self.argnums, int) else tuple(args[i] for i in pos)
-        paths, flat, spec = _tree.flatten_with_paths(target)
-        for path, leaf in zip(paths, flat):
-            if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-                what = (
-                    f"dtype {dtype_name(leaf.dtype)}"
-                    if isinstance(leaf, torch.Tensor)
-                    else describe(leaf)
-                )
-                raise TypeError(
-                    f"{where}: params leaf {path} has {what}; gradients are taken only with "
-                    f"respect to floating tensors. Move it out of the differentiated argument."
-                )
+        target = self._target(where, args)
+        flat, spec = _tree.flatten(target)
         leaves = [leaf.detach().requires_grad_(True) for leaf in flat]
         aliased = _tree.unflatten(spec, leaves)
         new_args = list(args)
         if isinstance(self.argnums, int):
             new_args[self.argnums] = aliased
         else:
-            for j, i in enumerate(pos):
+            for j, i in enumerate(self._positions):
                 new_args[i] = aliased[j]
         return new_args, leaves, spec
 

@@ -462,24 +462,13 @@ def add_grads(
 
 
 def allocate(lay: _Layout, sync: AllReduce | None) -> list[torch.Tensor]:
-    """Zeroed running sums for ``lay``: views into flat buffers.
-
-    The sync's buckets, or without a sync one buffer per (device, accumulation dtype).
-    """
+    """Zeroed running sums for ``lay``: views into the sync's buckets, or plain tensors."""
     if sync is not None:
         return sync._allocate(lay, zero=True)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, key in enumerate(zip(lay.devices, lay.accum_dtypes)):
-        groups.setdefault(key, []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-    for (device, dtype), idx in groups.items():
-        flat = torch.zeros(sum(lay.shapes[i].numel() for i in idx), dtype=dtype, device=device)
-        off = 0
-        for i in idx:
-            numel = lay.shapes[i].numel()
-            out[i] = flat[off : off + numel].view(lay.shapes[i])
-            off += numel
-    return out
+    return [
+        torch.zeros(shape, dtype=dtype, device=device)
+        for shape, dtype, device in zip(lay.shapes, lay.accum_dtypes, lay.devices)
+    ]
 
 
 def finalize(

@@ -269,8 +269,8 @@ def predict_all(p: Any, b: Any) -> torch.Tensor:
             ),
             TypeError,
             "gradaccum.grad(mean_loss, argnums=0, has_aux=False)(...): params leaf ['step'] has "
-            "dtype int64; gradients are taken only with respect to floating tensors. Move it out "
-            "of the differentiated argument.",
+            "dtype int64; gradients exist only for floating tensors. Move it out of the params "
+            "pytree (into buffers, or another argument of step_fn).",
         ),
         (
             lambda: gradaccum.grad(mean_loss, argnums=1)(mlp_params()),
