@@ -19,6 +19,10 @@ from ._module import update_buffers as update_buffers
 from ._module import write_grads as write_grads
 from ._record import Collective as Collective
 from ._record import record_collectives as record_collectives
+from ._scatter import ReduceScatter as ReduceScatter
+from ._scatter import reduce_scatter as reduce_scatter
+from ._shard import Sharded as Sharded
+from ._shard import shard as shard
 from ._split import MicroBatches as MicroBatches
 from ._state import AccumState as AccumState
 from ._state import Accumulator as Accumulator
@@ -38,6 +42,8 @@ __all__ = [
     "LossScale",
     "LossScaleState",
     "MicroBatches",
+    "ReduceScatter",
+    "Sharded",
     "accumulate",
     "all_reduce",
     "buffers_of",
@@ -47,6 +53,8 @@ __all__ = [
     "grad_and_value",
     "params_of",
     "record_collectives",
+    "reduce_scatter",
+    "shard",
     "update_buffers",
     "write_grads",
 ]

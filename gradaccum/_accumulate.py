@@ -11,9 +11,10 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from . import _reduce, _split, _state, _tree
+from . import _reduce, _scatter, _split, _state, _tree
 from ._autograd import GradFn
 from ._errors import describe
+from ._scatter import ReduceScatter
 from ._sync import AllReduce
 
 __all__ = ["accumulate"]
@@ -33,7 +34,7 @@ def accumulate(
     argnums: int | tuple[int, ...] | None = None,
     batch_argnum: int = 1,
     accum_dtype: torch.dtype | None = None,
-    sync: AllReduce | None = None,
+    sync: AllReduce | ReduceScatter | None = None,
 ) -> Callable[P, R]:
     """Turn a gradient function into one that accumulates over ``n`` micro-batches.
 
@@ -166,6 +167,10 @@ def accumulate(
                 f"at position {batch_argnum}, got {len(args)} positional argument(s); pass them "
                 f"positionally, e.g. step(params, batch)."
             )
+        scatter = sync if isinstance(sync, ReduceScatter) else None
+        regather = False
+        if scatter is not None:  # gathers the params (once per window) if given sharded
+            args, regather = _scatter.params_arg(call, scatter, args, grad_args)  # type: ignore[assignment]
         target = (
             args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
         )
@@ -173,10 +178,38 @@ def accumulate(
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
         win = _Window()
         try:
-            lay = _state.make_layout(call, target, accum_dtype)
+            if regather:
+                lay = _state.with_accum(scatter.sharded.layout, accum_dtype)  # type: ignore[union-attr]
+            else:
+                lay = _state.make_layout(call, target, accum_dtype)
             win.state = _state.AccumState(None, 0, 0, 0, lay)
+            window = scatter._open(call, lay, reduction) if scatter is not None else None
+            win.state = _state.AccumState(window, 0, 0, 0, lay)
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
-            if fast is not None:
+            if window is not None and len(micro) > n:
+                raise ValueError(
+                    f"{call}: the batch has {len(micro)} micro-batches but n={n}; with "
+                    f"sync=reduce_scatter(...) every rank runs exactly n micro-steps per window. "
+                    f"Pass at most n micro-batches, or a larger n."
+                )
+            if fast is not None and window is not None:
+                if micro:
+                    _scatter.fast_window(
+                        call,
+                        fast,
+                        args,
+                        kwargs,
+                        batch_argnum,
+                        micro,
+                        win,
+                        aux_acc,
+                        reduction=reduction,
+                        count=count,
+                        window=window,
+                        regather=regather,
+                        n=n,
+                    )
+            elif fast is not None:
                 if micro:
                     _fast_window(
                         call,
@@ -193,21 +226,29 @@ def accumulate(
                     )
             else:
                 for mb, rows in micro:
+                    if regather:
+                        assert window is not None
+                        cur = _scatter.with_params(args, grad_args[0], window.gather_params())
+                        head, tail = cur[:batch_argnum], cur[batch_argnum + 1 :]
                     out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
                     grads, aux = _unpack(call, out) if has_aux else (out, None)
-                    raw, items, alpha, weight = _weigh(call, reduction, count, rows, aux)
-                    win.state = _state.add_grads(call, win.state, grads, alpha, weight, sync)
+                    raw, items, alpha, weight = _state.weigh(call, reduction, count, rows, aux)
+                    win.state = _state.add_grads(
+                        call, win.state, grads, alpha, weight, sync, reduction
+                    )
                     if aux_acc is not None:
                         aux_acc.add(aux, rows, items, raw)
                     # Drop this micro-batch's outputs (and any graph they hold) before the next.
                     del out, mb, grads, aux, raw
+                    if regather:
+                        del head, tail
         except Exception:
             # Join the boundary flagged as failed, so the other ranks raise instead of hanging.
-            _state.abort(call, reduction, win.state, sync, win.pending)
+            _state.abort(call, reduction, win.state, sync, win.pending, n=n)
             raise
         # The boundary: the one place that communicates (with sync=).
         state = win.state
-        grads, _ = _state.finalize(call, reduction, state, sync, pending=win.pending)
+        grads, _ = _state.finalize(call, reduction, state, sync, pending=win.pending, n=n)
         if aux_acc is not None:
             aux_out = aux_acc.result() if state.micro_step else None
             return (grads, aux_out)  # type: ignore[return-value]
@@ -216,20 +257,6 @@ def accumulate(
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)
     return accumulated
-
-
-def _weigh(
-    call: str,
-    reduction: _reduce.Reduction,
-    count: Callable[[Any], Any] | None,
-    rows: int,
-    aux: Any,
-) -> tuple[Any, _reduce.Weight | None, int, _reduce.Weight]:
-    """One micro-batch's ``(raw count, checked count, alpha, weight)``."""
-    raw = count(aux) if count is not None else None
-    items = _reduce.check_count(call, raw) if count is not None else None
-    alpha, weight = _state.micro_weight(call, reduction, rows, items)
-    return raw, items, alpha, weight
 
 
 class _Window:
@@ -329,7 +356,7 @@ def _fast_window(
         for j, (mb, rows) in enumerate(micro):
             new_args[batch_argnum] = mb
             value, aux = fn.forward(call, new_args, kwargs)
-            raw, items, alpha, weight = _weigh(call, reduction, count, rows, aux)
+            raw, items, alpha, weight = _state.weigh(call, reduction, count, rows, aux)
             scale: float = alpha / prescale if prescale else alpha
             if j == last and sync is not None and sync.overlap:
                 # Open the boundary before the last backward: its hooks launch each bucket's

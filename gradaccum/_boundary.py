@@ -35,7 +35,7 @@ def _leaves(where: str, grads: Any) -> tuple[list[torch.Tensor], _tree.PyTreeSpe
     return leaves, spec
 
 
-def clip_by_global_norm(grads: T, max_norm: float) -> tuple[T, torch.Tensor]:
+def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tuple[T, torch.Tensor]:
     """Scale ``grads`` so that their global 2-norm is at most ``max_norm``.
 
     The same rule as ``torch.nn.utils.clip_grad_norm_`` (factor
@@ -46,6 +46,11 @@ def clip_by_global_norm(grads: T, max_norm: float) -> tuple[T, torch.Tensor]:
     Args:
         grads: A pytree of floating tensors.
         max_norm: The largest allowed global norm, a positive number.
+        group: ``None``: the norm of these gradients alone (enough after an ``all_reduce``
+            sync, where they are the same on every rank). A process group: the gradients are
+            shards (from a [`reduce_scatter()`][gradaccum.reduce_scatter] sync), and the norm
+            is that of the whole gradient, from one one-element ``all_reduce`` of the squared
+            norm. Padding is zero, so it does not count.
 
     Returns:
         ``(clipped, norm)``: the clipped gradients and the global norm before clipping (a 0-dim
@@ -75,6 +80,11 @@ def clip_by_global_norm(grads: T, max_norm: float) -> tuple[T, torch.Tensor]:
     with torch.no_grad():
         norms = [n.to(device, wide) for n in torch._foreach_norm(leaves)]
         total = torch.linalg.vector_norm(torch.stack(norms))
+        if group is not None:
+            squared = (total * total).reshape(1)
+            record("all_reduce", group, squared.dtype, 1, "norm")
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
+            total = squared.sqrt().reshape(())
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         out = [g * factor.to(g.device, g.dtype) for g in leaves]
     return _tree.unflatten(spec, out), total

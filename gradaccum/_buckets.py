@@ -16,7 +16,7 @@ import torch
 
 from ._errors import dtype_name
 
-__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "make_plan"]
+__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "cut_runs", "leaf_order", "make_plan"]
 
 TAIL = 2  # [weight, failed]
 FIRST = 2**20  # bytes: the first bucket's limit, as DDP's (so the first all-reduce starts early)
@@ -65,6 +65,31 @@ def _natural_key(path: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", path) if p)
 
 
+def leaf_order(paths: tuple[str, ...]) -> list[int]:
+    """Leaf indices in reverse natural order of their key paths (backward's usual order)."""
+    return sorted(range(len(paths)), key=lambda i: _natural_key(paths[i]), reverse=True)
+
+
+def cut_runs(idx: list[int], nbytes: list[int], cap: int) -> list[list[int]]:
+    """Cut a sequence of leaves into buckets by DDP's rule.
+
+    Leaves are added until a bucket holds at least its limit: ``min(FIRST, cap)`` for the first
+    bucket, ``cap`` after. No leaves give one empty bucket.
+    """
+    runs: list[list[int]] = []
+    current: list[int] = []
+    used, limit = 0, min(FIRST, cap)
+    for i, size in zip(idx, nbytes):
+        current.append(i)
+        used += size
+        if used >= limit:
+            runs.append(current)
+            current, used, limit = [], 0, cap
+    if current or not runs:
+        runs.append(current)
+    return runs
+
+
 def make_plan(lay: Any, cap: int) -> Plan:
     """Group leaves by (device, dtype), then fill buckets until each holds at least ``cap``.
 
@@ -77,22 +102,12 @@ def make_plan(lay: Any, cap: int) -> Plan:
     the paths only, so it is the same on every rank.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    order = sorted(range(len(lay.paths)), key=lambda i: _natural_key(lay.paths[i]), reverse=True)
-    for i in order:
+    for i in leaf_order(lay.paths):
         groups.setdefault((lay.devices[i], lay.accum_dtypes[i]), []).append(i)
     cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
     for (dev, dt), idx in groups.items():
-        size = dt.itemsize
-        current: list[int] = []
-        used, limit = 0, min(FIRST, cap)
-        for i in idx:
-            current.append(i)
-            used += lay.shapes[i].numel() * size
-            if used >= limit:
-                cut.append((dev, dt, current))
-                current, used, limit = [], 0, cap
-        if current or not any(c[0] == dev and c[1] == dt for c in cut):
-            cut.append((dev, dt, current))
+        sizes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
+        cut.extend((dev, dt, run) for run in cut_runs(idx, sizes, cap))
     if not cut:
         cut.append((torch.device("cpu"), torch.float64, []))
     # The weight rides in the last bucket of the widest dtype that counts exactly.

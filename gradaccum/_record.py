@@ -21,13 +21,17 @@ class Collective:
     [`record_collectives()`][gradaccum.record_collectives] yields a list of them.
 
     Attributes:
-        kind: The torch.distributed function: ``"all_reduce"``, ``"all_gather_object"``.
+        kind: The torch.distributed function: ``"all_reduce"``, ``"reduce_scatter"``,
+            ``"all_gather"``, ``"broadcast"``, ``"all_gather_object"``.
         group: The process group it ran on (``torch.distributed.group.WORLD`` for the default).
         dtype: The dtype of the tensor on the wire.
         numel: Elements on the wire (0 for object collectives, whose size is not known).
         nbytes: Bytes on the wire: ``numel`` times the element size.
-        purpose: ``"gradients"`` (a boundary bucket), ``"fingerprint"`` (the tree check),
-            ``"found_inf"`` (a loss-scaling decision).
+        purpose: ``"gradients"`` (a boundary bucket), ``"gradients (every)"`` (a bucket
+            reduce-scattered per micro-batch), ``"weight"`` (a sharded window's weight and
+            failure flag), ``"params"`` (gathering or broadcasting sharded params),
+            ``"fingerprint"`` (the tree check), ``"found_inf"`` (a loss-scaling decision),
+            ``"norm"`` (a sharded gradient norm).
 
     Examples:
         >>> import torch, gradaccum

@@ -7,14 +7,16 @@ checkpoint taken mid-window resumes exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from . import _checkpoint, _reduce, _tree
+from . import _checkpoint, _reduce, _scatter, _tree
 from ._errors import describe, dtype_name
+from ._scatter import ReduceScatter
 from ._sync import AllReduce
 
 __all__ = ["AccumState", "Accumulator"]
@@ -116,7 +118,7 @@ class Accumulator:
     n: int | Callable[[int], int]
     reduction: _reduce.Reduction = "mean"
     accum_dtype: torch.dtype | None = None
-    sync: AllReduce | None = None
+    sync: AllReduce | ReduceScatter | None = None
 
     @property
     def _where(self) -> str:
@@ -188,7 +190,13 @@ class Accumulator:
         where = "Accumulator.add(state, grads)"
         check_state(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
-        return add_grads(where, state, grads, alpha, weight, self.sync)
+        if isinstance(self.sync, ReduceScatter) and state.micro_step >= self.window_size(state):
+            raise ValueError(
+                f"{where}: the window already holds its n={self.window_size(state)} "
+                f"micro-batches; with sync=reduce_scatter(...) every rank runs exactly n "
+                f"micro-steps per window, so call finalize(state) before adding more."
+            )
+        return add_grads(where, state, grads, alpha, weight, self.sync, self.reduction)
 
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
         """Close the window: return its gradients and a fresh state for the next window.
@@ -210,7 +218,7 @@ class Accumulator:
         """
         where = f"{self._where}.finalize(state)"
         check_state(where, state)
-        return finalize(where, self.reduction, state, self.sync)
+        return finalize(where, self.reduction, state, self.sync, n=self.window_size(state))
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:
         """Give up the current window after an error on this rank.
@@ -235,7 +243,7 @@ class Accumulator:
         """
         where = f"{self._where}.abort(state)"
         check_state(where, state)
-        abort(where, self.reduction, state, self.sync)
+        abort(where, self.reduction, state, self.sync, n=self.window_size(state))
         return AccumState(None, 0, 0, state.window + 1, state.layout)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -247,6 +255,8 @@ class Accumulator:
         included. The running sums are copies: later ``add`` calls do not change it.
         """
         check_state("Accumulator.state_dict(state)", state)
+        if isinstance(self.sync, ReduceScatter):
+            return _scatter.save(self.sync, self.reduction, state)
         return _checkpoint.save(self.reduction, state)
 
     def load_state_dict(self, state: AccumState[T], state_dict: dict[str, Any]) -> AccumState[T]:
@@ -265,6 +275,8 @@ class Accumulator:
                 or dtypes differ; the message names the first difference) or reduction.
         """
         check_state("Accumulator.load_state_dict(state, state_dict)", state)
+        if isinstance(self.sync, ReduceScatter):
+            return _scatter.load(self.sync, self.reduction, state, state_dict)  # type: ignore[no-any-return]
         return _checkpoint.load(self.reduction, state, state_dict, self.sync)
 
 
@@ -307,10 +319,11 @@ def check_accum_dtype(where: str, dtype: object) -> None:
 
 def check_sync(where: str, sync: object) -> None:
     """Validate ``sync=``."""
-    if sync is not None and not isinstance(sync, AllReduce):
+    if sync is not None and not isinstance(sync, (AllReduce, ReduceScatter)):
         raise TypeError(
-            f"{where}: sync must be None or gradaccum.all_reduce(...), got {describe(sync)}; "
-            f"pass sync=gradaccum.all_reduce() to synchronise over the default process group."
+            f"{where}: sync must be None, gradaccum.all_reduce(...) or "
+            f"gradaccum.reduce_scatter(sharded), got {describe(sync)}; pass "
+            f"sync=gradaccum.all_reduce() to synchronise over the default process group."
         )
 
 
@@ -330,18 +343,27 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> _La
                 f"another argument of step_fn)."
             )
     dtypes = tuple(x.dtype for x in leaves)
-    if accum_dtype is not None:
-        accum = tuple(accum_dtype for _ in dtypes)
-    else:
-        accum = tuple(torch.float32 if d in _LOW_PRECISION else d for d in dtypes)
     return _Layout(
         spec=spec,
         paths=tuple(paths),
         shapes=tuple(x.shape for x in leaves),
         dtypes=dtypes,
-        accum_dtypes=accum,
+        accum_dtypes=_accum_dtypes(dtypes, accum_dtype),
         devices=tuple(x.device for x in leaves),
     )
+
+
+def _accum_dtypes(
+    dtypes: tuple[torch.dtype, ...], accum_dtype: torch.dtype | None
+) -> tuple[torch.dtype, ...]:
+    if accum_dtype is not None:
+        return tuple(accum_dtype for _ in dtypes)
+    return tuple(torch.float32 if d in _LOW_PRECISION else d for d in dtypes)
+
+
+def with_accum(lay: _Layout, accum_dtype: torch.dtype | None) -> _Layout:
+    """``lay`` with the accumulation dtypes that ``accum_dtype`` gives."""
+    return dataclasses.replace(lay, accum_dtypes=_accum_dtypes(lay.dtypes, accum_dtype))
 
 
 def micro_weight(
@@ -377,6 +399,20 @@ def micro_weight(
             )
         return 1, _reduce.check_count(where, count)
     return 1, size if size is not None else 1
+
+
+def weigh(
+    call: str,
+    reduction: _reduce.Reduction,
+    count: Callable[[Any], Any] | None,
+    rows: int,
+    aux: Any,
+) -> tuple[Any, _reduce.Weight | None, int, _reduce.Weight]:
+    """One micro-batch's ``(raw count, checked count, alpha, weight)`` in ``accumulate``."""
+    raw = count(aux) if count is not None else None
+    items = _reduce.check_count(call, raw) if count is not None else None
+    alpha, weight = micro_weight(call, reduction, rows, items)
+    return raw, items, alpha, weight
 
 
 def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
@@ -441,7 +477,8 @@ def add_grads(
     grads: T,
     alpha: int,
     weight: _reduce.Weight,
-    sync: AllReduce | None = None,
+    sync: AllReduce | ReduceScatter | None = None,
+    reduction: str = "mean",
 ) -> AccumState[T]:
     """Validate, then add ``alpha * grads`` into the running sums (allocated on first use).
 
@@ -449,6 +486,11 @@ def add_grads(
     """
     lay: _Layout = state.layout
     leaves = _check_grads(where, lay, grads)
+    if isinstance(sync, ReduceScatter):
+        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
+        with torch.no_grad():
+            window.add(leaves, alpha)
+        return AccumState(window, state.weight + weight, state.micro_step + 1, state.window, lay)
     with torch.no_grad():
         if state.sums is None:
             out = sync._allocate(lay) if sync is not None else None
@@ -475,9 +517,10 @@ def finalize(
     where: str,
     reduction: _reduce.Reduction,
     state: AccumState[T],
-    sync: AllReduce | None = None,
+    sync: AllReduce | ReduceScatter | None = None,
     failed: bool = False,
     pending: Any = None,
+    n: int = 1,
 ) -> tuple[T, AccumState[T]]:
     """The boundary: reduce over the group (with ``sync``), normalise, cast, start a new window.
 
@@ -486,6 +529,10 @@ def finalize(
     ``pending`` is a boundary already opened (some buckets launched during the last backward).
     """
     lay: _Layout = state.layout
+    if isinstance(sync, ReduceScatter):
+        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
+        shards, _ = window.finish(reduction, state.weight, n, failed)
+        return shards, AccumState(None, 0, 0, state.window + 1, lay)
     if sync is not None:
         with torch.no_grad():
             if pending is not None:
@@ -521,8 +568,9 @@ def abort(
     where: str,
     reduction: _reduce.Reduction,
     state: AccumState[Any] | None,
-    sync: AllReduce | None,
+    sync: AllReduce | ReduceScatter | None,
     pending: Any = None,
+    n: int = 1,
 ) -> None:
     """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
 
@@ -532,10 +580,13 @@ def abort(
     if sync is None:
         return
     if state is None:
-        if not sync._last:
+        if isinstance(sync, ReduceScatter):
+            state = AccumState(None, 0, 0, 0, sync.sharded.layout)
+        elif not sync._last:
             return
-        state = AccumState(None, 0, 0, 0, sync._last[0])
+        else:
+            state = AccumState(None, 0, 0, 0, sync._last[0])
     try:
-        finalize(where, reduction, state, sync, failed=True, pending=pending)
+        finalize(where, reduction, state, sync, failed=True, pending=pending, n=n)
     except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
         pass

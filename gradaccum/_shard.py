@@ -1,0 +1,451 @@
+"""Sharded params (FSDP / ZeRO style): each rank owns a flat, padded shard of every bucket.
+
+The params are cut into buckets as the data-parallel sync cuts them (reverse natural order of
+key paths, DDP's size rule), separately for each (parameter group, device, dtype). Each bucket is
+the concatenation of its leaves, padded to a multiple of the world size; rank ``r`` owns the
+``r``-th of its ``world`` equal chunks. A rank's shard tensor for a parameter group is the
+concatenation of its chunks of that group's buckets, so that
+
+- ``all_gather_single(bucket, chunk)`` rebuilds a bucket, whose slices are the full params
+  (no copy-out), and
+- ``reduce_scatter_single(chunk, bucket)`` sums a bucket of gradients over the group straight
+  into this rank's slice of the gradient shard (no copy-in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _tree
+from ._buckets import Bucket, Plan, cut_runs, leaf_order
+from ._errors import GradAccumError, describe, dtype_name
+from ._record import record
+
+__all__ = ["Sharded", "shard"]
+
+FORMAT = "gradaccum.Sharded/1"
+DEFAULT_GROUP = "params"
+
+
+@dataclass(frozen=True)
+class ShardBucket:
+    """One bucket of a sharded layout (internal)."""
+
+    shard: int  # which shard tensor its chunk lives in
+    members: tuple[int, ...]  # leaf indices, in bucket order
+    offsets: tuple[int, ...]  # element offset of each member in the full bucket
+    numel: int  # data elements
+    padded: int  # numel rounded up to a multiple of the world size
+    chunk: int  # padded // world: elements per rank
+    start: int  # where this bucket's chunk starts in its shard tensor
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full (padded) bucket."""
+        return self.padded * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which leaf is where, for one world size (internal; no communication)."""
+
+    world: int
+    names: tuple[str, ...]  # parameter group of each shard tensor
+    dtypes: tuple[torch.dtype, ...]  # dtype of each shard tensor
+    devices: tuple[torch.device, ...]
+    sizes: tuple[int, ...]  # elements of each shard tensor (on every rank)
+    buckets: tuple[ShardBucket, ...]
+    bucket_of_leaf: tuple[int, ...]
+    description: tuple[str, ...]  # what the fingerprint covers
+
+
+def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> ShardPlan:
+    """Group leaves by (parameter group, device, dtype), cut each group into buckets, pad."""
+    groups: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
+    for i in leaf_order(lay.paths):
+        groups.setdefault((names[i], lay.devices[i], lay.dtypes[i]), []).append(i)
+    buckets: list[ShardBucket] = []
+    shard_names, dtypes, devices, sizes = [], [], [], []
+    bucket_of_leaf = [0] * len(lay.paths)
+    for s, ((name, dev, dt), idx) in enumerate(groups.items()):
+        start = 0
+        nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
+        for run in cut_runs(idx, nbytes, cap):
+            offs, off = [], 0
+            for i in run:
+                offs.append(off)
+                off += lay.shapes[i].numel()
+                bucket_of_leaf[i] = len(buckets)
+            padded = -(-off // world) * world
+            chunk = padded // world
+            buckets.append(
+                ShardBucket(s, tuple(run), tuple(offs), off, padded, chunk, start, dt, dev)
+            )
+            start += chunk
+        shard_names.append(name)
+        dtypes.append(dt)
+        devices.append(dev)
+        sizes.append(start)
+    desc = [
+        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} in parameter group {g!r}"
+        for p, shape, dt, g in zip(lay.paths, lay.shapes, lay.dtypes, names)
+    ]
+    desc.append(f"{len(lay.paths)} params leaves sharded over {world} ranks")
+    desc.extend(
+        f"bucket {k} of {b.padded} {dtype_name(b.dtype)} elements in shard {b.shard}"
+        for k, b in enumerate(buckets)
+    )
+    return ShardPlan(
+        world,
+        tuple(shard_names),
+        tuple(dtypes),
+        tuple(devices),
+        tuple(sizes),
+        tuple(buckets),
+        tuple(bucket_of_leaf),
+        tuple(desc),
+    )
+
+
+class Sharded:
+    """Params sharded over a process group: each rank holds a flat, padded shard.
+
+    Make one with [`shard()`][gradaccum.shard]. The optimizer steps on
+    [`shards`][gradaccum.Sharded.shards] (plain tensors, one per parameter group, device and
+    dtype); [`gather()`][gradaccum.Sharded.gather] rebuilds the full params for compute; a
+    [`reduce_scatter()`][gradaccum.reduce_scatter] sync returns the window's gradient as shards
+    of the same shapes, which [`write_grads()`][gradaccum.Sharded.write_grads] puts in
+    ``.grad``.
+
+    Attributes:
+        shards: This rank's shard tensors, flat and padded; give them to the optimizer.
+        names: The parameter group of each shard tensor (see ``param_groups`` of
+            [`shard()`][gradaccum.shard]).
+        group: The process group.
+        rank: This process's rank in ``group``.
+        world: The size of ``group``.
+    """
+
+    def __init__(
+        self,
+        layout: Any,
+        plan: ShardPlan,
+        shards: tuple[torch.Tensor, ...],
+        group: Any,
+        rank: int,
+        world: int,
+        bucket_mb: float,
+    ) -> None:
+        self.layout, self.plan, self.shards = layout, plan, shards
+        self.group, self.rank, self.world, self.bucket_mb = group, rank, world, bucket_mb
+        self.names = plan.names
+
+    def __repr__(self) -> str:
+        full = sum(s.numel() for s in self.layout.shapes)
+        mine = sum(s.numel() for s in self.shards)
+        return (
+            f"Sharded({len(self.layout.paths)} leaves, {full} elements, shards of {mine} "
+            f"elements on rank {self.rank} of {self.world}, {len(self.plan.buckets)} buckets)"
+        )
+
+    def group_shards(self, name: str) -> list[torch.Tensor]:
+        """The shard tensors of one parameter group (for an optimizer's param groups).
+
+        Raises:
+            KeyError: No shard belongs to a parameter group called ``name``.
+        """
+        found = [s for s, n in zip(self.shards, self.names) if n == name]
+        if not found:
+            raise KeyError(
+                f"Sharded.group_shards({name!r}): no parameter group {name!r}; the groups are "
+                f"{sorted(set(self.names))} (from param_groups= of gradaccum.shard)."
+            )
+        return found
+
+    def gather(self) -> Any:
+        """The full params, all-gathered from every rank's shards (one collective per bucket).
+
+        Returns:
+            A pytree shaped like the params given to [`shard()`][gradaccum.shard], whose leaves
+            are views into freshly gathered flat buffers (they do not require grad, and later
+            optimizer steps do not change them: gather again after each step).
+
+        Raises:
+            GradAccumError: A collective failed.
+        """
+        where = "Sharded.gather()"
+        lay, plan = self.layout, self.plan
+        views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
+        works = []
+        with torch.no_grad():
+            for b in plan.buckets:
+                full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+                mine = self.shards[b.shard][b.start : b.start + b.chunk]
+                record("all_gather", self.group, b.dtype, b.padded, "params")
+                works.append(_all_gather(where, full, mine, self.group))
+                for i, off in zip(b.members, b.offsets):
+                    views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+            for w in works:
+                _wait(where, w)
+        return _tree.unflatten(lay.spec, views)
+
+    def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+        """Set each shard's ``.grad`` (replacing it), ready for ``optimizer.step()``.
+
+        Args:
+            grads: What an accumulated function with a
+                [`reduce_scatter()`][gradaccum.reduce_scatter] sync returned: one tensor per
+                shard, in order.
+
+        Raises:
+            ValueError: ``grads`` does not match the shards in number, shape or dtype; nothing
+                is written then.
+        """
+        where = "Sharded.write_grads(grads)"
+        if not isinstance(grads, (tuple, list)) or len(grads) != len(self.shards):
+            raise ValueError(
+                f"{where}: expected {len(self.shards)} gradient shards (one per shard tensor), "
+                f"got {describe(grads)}; pass the gradients that the accumulated function with "
+                f"sync=gradaccum.reduce_scatter(sharded) returned."
+            )
+        for k, (g, s) in enumerate(zip(grads, self.shards)):
+            if not isinstance(g, torch.Tensor) or g.shape != s.shape or g.dtype != s.dtype:
+                raise ValueError(
+                    f"{where}: gradient shard {k} is {describe(g)}, expected shape "
+                    f"{tuple(s.shape)} {dtype_name(s.dtype)}; pass the gradients that the "
+                    f"accumulated function with sync=gradaccum.reduce_scatter(sharded) returned."
+                )
+        for g, s in zip(grads, self.shards):
+            s.grad = g
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "world": self.world,
+            "rank": self.rank,
+            "bucket_mb": self.bucket_mb,
+            "description": list(self.plan.description),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards (copies) and the layout they were cut with.
+
+        Save one file per rank; ``torch.load(..., weights_only=True)`` reads it back.
+        """
+        return {
+            "format": FORMAT,
+            **self._meta(),
+            "shards": [s.detach().clone() for s in self.shards],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy saved shards into [`shards`][gradaccum.Sharded.shards] (in place).
+
+        The optimizer keeps referring to the same tensors, so load its state afterwards as
+        usual. Nothing is changed when the check fails.
+
+        Raises:
+            GradAccumError: The state was saved by another rank, with another world size or
+                another layout (params, parameter groups or ``bucket_mb``); the message names
+                the first difference. Resharding to another world size is not supported:
+                gather the params with the old world size and call
+                [`shard()`][gradaccum.shard] on them.
+        """
+        where = "Sharded.load_state_dict(state_dict)"
+        check_meta(where, state_dict, FORMAT, self._meta())
+        saved = state_dict.get("shards")
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.shards):
+            raise GradAccumError(
+                f"{where}: expected {len(self.shards)} saved shards, got {describe(saved)}; "
+                f"pass the dict that Sharded.state_dict() returned."
+            )
+        for k, (t, s) in enumerate(zip(saved, self.shards)):
+            if not isinstance(t, torch.Tensor) or t.shape != s.shape or t.dtype != s.dtype:
+                raise GradAccumError(
+                    f"{where}: saved shard {k} is {describe(t)}, expected shape "
+                    f"{tuple(s.shape)} {dtype_name(s.dtype)}; pass the dict that "
+                    f"Sharded.state_dict() returned."
+                )
+        with torch.no_grad():
+            for t, s in zip(saved, self.shards):
+                s.copy_(t)
+
+
+def check_meta(where: str, sd: Any, fmt: str, meta: dict[str, Any]) -> None:
+    """Check a sharded state dict's format, world size, rank and layout against ``meta``."""
+    fix = "pass the dict that state_dict() returned on this rank"
+    if not isinstance(sd, dict) or sd.get("format") != fmt:
+        got = describe(sd) if not isinstance(sd, dict) else f"format {sd.get('format')!r}"
+        raise GradAccumError(f"{where}: expected a dict of format {fmt!r}, got {got}; {fix}.")
+    if sd.get("world") != meta["world"]:
+        raise GradAccumError(
+            f"{where}: the state was saved with world size {sd.get('world')!r} but this group "
+            f"has {meta['world']} ranks; resharding a checkpoint is not supported. Resume with "
+            f"world size {sd.get('world')!r}, or gather the params there "
+            f"(Sharded.gather()), save them whole and call gradaccum.shard on them here."
+        )
+    if sd.get("rank") != meta["rank"]:
+        raise GradAccumError(
+            f"{where}: the state was saved by rank {sd.get('rank')!r} but this is rank "
+            f"{meta['rank']}; each rank must load its own file (e.g. f'ckpt/rank{{rank}}.pt')."
+        )
+    saved = list(sd.get("description") or [])
+    if saved != meta["description"] or sd.get("bucket_mb") != meta["bucket_mb"]:
+        mine = meta["description"]
+        diff = next(
+            (f"{a!r} here but {b!r} saved" for a, b in zip(mine, saved) if a != b),
+            f"bucket_mb={meta['bucket_mb']} here but {sd.get('bucket_mb')!r} saved"
+            if sd.get("bucket_mb") != meta["bucket_mb"]
+            else f"{len(mine)} layout lines here but {len(saved)} saved",
+        )
+        raise GradAccumError(
+            f"{where}: the state was saved for another sharded layout: {diff}; shard the same "
+            f"params with the same param_groups and bucket_mb as when it was saved."
+        )
+
+
+def shard(
+    params: Any,
+    group: Any = None,
+    *,
+    bucket_mb: float = 25.0,
+    param_groups: Callable[[str], str] | None = None,
+    src: int | None = 0,
+) -> Sharded:
+    """Shard a params pytree over a process group (FSDP / ZeRO style).
+
+    Each rank keeps only its shard of the params: the leaves are cut into buckets (per
+    parameter group, device and dtype; reverse natural order of key paths; a bucket closes
+    once it holds ``bucket_mb``), each bucket is padded to a multiple of the world size, and
+    rank ``r`` keeps the ``r``-th chunk of each. Leaves of any size and any mix of floating
+    dtypes work; padding is zero and stays zero.
+
+    The returned [`Sharded`][gradaccum.Sharded] gives the optimizer its shard tensors and
+    rebuilds the full params with [`gather()`][gradaccum.Sharded.gather]; pair it with a
+    [`reduce_scatter()`][gradaccum.reduce_scatter] sync, which returns the window's gradient
+    as shards.
+
+    Args:
+        params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]).
+        group: The process group; ``None`` for the default group.
+        bucket_mb: Bucket size in MiB (as in [`all_reduce()`][gradaccum.all_reduce]): one
+            all-gather and one reduce-scatter per bucket.
+        param_groups: A function from a leaf's key path (e.g. ``"['fc.bias']"``) to the name
+            of its parameter group. Each group gets shard tensors of its own, so that an
+            optimizer can give it its own options and a sync its own gradient policy. Default:
+            one group, ``"params"``.
+        src: The rank whose params are the initial values: each bucket is broadcast from it
+            once (so ranks initialised with different seeds still agree). ``None`` takes each
+            rank's own params, which must then be identical.
+
+    Returns:
+        A [`Sharded`][gradaccum.Sharded].
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        TypeError: A params leaf is not a floating tensor, or an argument has the wrong kind.
+        ValueError: ``bucket_mb`` is not positive, or ``src`` is not a rank of the group.
+        GradAccumError: The ranks passed params of different key paths, shapes or dtypes (the
+            message names the first difference).
+
+    Examples:
+        Run on every rank, after ``torch.distributed.init_process_group``:
+
+        ```python
+        sharded = gradaccum.shard(gradaccum.params_of(model))
+        opt = torch.optim.AdamW(sharded.shards, lr=1e-3)
+        sync = gradaccum.reduce_scatter(sharded, policy="boundary")
+        step = gradaccum.accumulate(gradaccum.grad(loss_fn), n=4, sync=sync)
+        sharded.write_grads(step(sharded, batch))  # gathers, accumulates, reduce-scatters
+        opt.step()
+        ```
+    """
+    from ._state import make_layout
+    from ._sync import AllReduce
+
+    where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
+    comm = AllReduce(group)
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(
+            f"{where}: bucket_mb must be a positive number of MiB, got {describe(bucket_mb)}; "
+            f"pass e.g. bucket_mb=25."
+        )
+    if param_groups is not None and not callable(param_groups):
+        raise TypeError(
+            f"{where}: param_groups must be None or a function from a key path to a group "
+            f"name, got {describe(param_groups)}; pass e.g. "
+            f"param_groups=lambda path: 'no_decay' if 'bias' in path else 'decay'."
+        )
+    lay = make_layout(where, params, None)
+    names = []
+    for path in lay.paths:
+        name = param_groups(path) if param_groups is not None else DEFAULT_GROUP
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{where}: param_groups({path!r}) returned {describe(name)}; it must return a "
+                f"group name (a str)."
+            )
+        names.append(name)
+    pg, rank, world = comm._group(where)
+    if src is not None and (
+        isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world
+    ):
+        raise ValueError(
+            f"{where}: src must be None or a rank of the group (0 to {world - 1}), got "
+            f"{describe(src)}; pass src=0 to start every rank from rank 0's params."
+        )
+    plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names))
+    comm._verify(where, wire_plan(plan), "shard", pg, rank, world)
+    leaves = _tree.flatten(params)[0]
+    shards = tuple(
+        torch.zeros(size, dtype=dt, device=dev)
+        for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
+    )
+    with torch.no_grad():
+        for b in plan.buckets:
+            full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            for i, off in zip(b.members, b.offsets):
+                full[off : off + lay.shapes[i].numel()].copy_(leaves[i].reshape(-1))
+            if src is not None and world > 1:
+                global_src = dist.get_global_rank(pg, src) if pg is not dist.group.WORLD else src
+                record("broadcast", pg, b.dtype, b.padded, "params")
+                _wait(where, dist.broadcast(full, global_src, group=pg, async_op=True))
+            shards[b.shard][b.start : b.start + b.chunk].copy_(
+                full[rank * b.chunk : (rank + 1) * b.chunk]
+            )
+    return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
+
+
+def wire_plan(plan: ShardPlan, extra: tuple[str, ...] = ()) -> Plan:
+    """The sharded buckets as a sync ``Plan`` (for the fingerprint and failure messages)."""
+    buckets = tuple(
+        Bucket(b.dtype, b.device, (), b.padded, b.nbytes, False) for b in plan.buckets
+    ) or (Bucket(torch.float64, torch.device("cpu"), (), 0, 0, False),)
+    return Plan(buckets, (), (), (), (*plan.description, *extra))
+
+
+def _all_gather(where: str, out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    try:
+        return fn(out, inp, group=group, async_op=True)
+    except RuntimeError as err:
+        raise GradAccumError(f"{where}: the all-gather of a params bucket failed: {err}") from err
+
+
+def _wait(where: str, work: Any) -> None:
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise GradAccumError(
+            f"{where}: a collective failed: {str(err).splitlines()[0] if str(err) else err}. A "
+            f"peer process died or did not reach it; destroy the process group and restart "
+            f"from a checkpoint."
+        ) from err
