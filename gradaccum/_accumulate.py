@@ -90,7 +90,11 @@ def accumulate(
             (one micro-batch per row), or empty (it joins with zero weight and its aux is
             ``None``). Aux outputs stay per rank. If ``step_fn`` raises on one rank, that rank
             still joins the boundary and re-raises, and every other rank raises
-            [`GradAccumError`][gradaccum.GradAccumError] instead of hanging.
+            [`GradAccumError`][gradaccum.GradAccumError] instead of hanging. Or
+            [`reduce_scatter()`][gradaccum.reduce_scatter] for sharded params: the function
+            then takes the [`Sharded`][gradaccum.Sharded] (or its gathered params) as its
+            params and returns this rank's gradient shards, a tuple aligned with
+            ``sharded.shards``.
 
     Returns:
         A function with the signature of ``step_fn`` returning the accumulated ``grads``, or

@@ -46,7 +46,17 @@ class ReduceScatter:
 
     Make one with [`reduce_scatter()`][gradaccum.reduce_scatter] and pass it as ``sync=`` to
     [`accumulate()`][gradaccum.accumulate] or [`Accumulator`][gradaccum.Accumulator]; see
-    there for the options and the contract.
+    there for the options and the contract. Its [`plan()`][gradaccum.ReduceScatter.plan]
+    lists the buckets without communicating.
+
+    Examples:
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(300_000), "b": torch.zeros(10)})
+        >>> sync = gradaccum.reduce_scatter(sharded, policy="every")
+        >>> [(b.paths, b.numel, b.nbytes) for b in sync.plan()]  # once per micro-batch
+        [(("['w']",), 300000, 1200000), (("['b']",), 10, 40)]
+        >>> dist.destroy_process_group()
     """
 
     sharded: Sharded
@@ -410,6 +420,25 @@ def reduce_scatter(
         TypeError: ``sharded`` is not a Sharded, or an option has the wrong kind.
         ValueError: A policy or gather name is unknown, or the policy dict does not name every
             parameter group.
+
+    Examples:
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(3), "b": torch.zeros(2)})
+        >>> def loss_fn(params, x):
+        ...     return (x @ params["w"] + params["b"].sum()).sum()
+        >>> sync = gradaccum.reduce_scatter(sharded, policy="every")
+        >>> step = gradaccum.accumulate(gradaccum.grad(loss_fn), 2, reduction="sum", sync=sync)
+        >>> with gradaccum.record_collectives() as log:
+        ...     grads = step(sharded, torch.ones(4, 3))  # gathers the params, then 2 micro-batches
+        >>> grads  # this rank's gradient shard: w's gradient, then b's
+        (tensor([4., 4., 4., 4., 4.]),)
+        >>> [(c.kind, c.purpose) for c in log]  # doctest: +NORMALIZE_WHITESPACE
+        [('all_gather', 'params'), ('all_reduce', 'fingerprint'),
+         ('reduce_scatter', 'gradients (every)'), ('reduce_scatter', 'gradients (every)'),
+         ('all_reduce', 'weight')]
+        >>> sharded.write_grads(grads)
+        >>> dist.destroy_process_group()
 
     Every rank runs the same collectives in the same order in every window: under ``"every"``
     and with ``gather="micro_batch"``, a rank with fewer micro-batches than ``n`` (a short or

@@ -131,6 +131,25 @@ class Sharded:
         group: The process group.
         rank: This process's rank in ``group``.
         world: The size of ``group``.
+
+    Examples:
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard(
+        ...     {"fc.weight": torch.ones(2, 2), "fc.bias": torch.zeros(2)},
+        ...     param_groups=lambda path: "no_decay" if "bias" in path else "decay",
+        ... )
+        >>> sharded.names
+        ('decay', 'no_decay')
+        >>> opt = torch.optim.AdamW(
+        ...     [
+        ...         {"params": sharded.group_shards("decay"), "weight_decay": 0.1},
+        ...         {"params": sharded.group_shards("no_decay"), "weight_decay": 0.0},
+        ...     ]
+        ... )
+        >>> sharded.write_grads([torch.ones(4), torch.ones(2)])
+        >>> opt.step()
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -357,7 +376,18 @@ def shard(
             message names the first difference).
 
     Examples:
-        Run on every rank, after ``torch.distributed.init_process_group``:
+        A world of one process (every rank runs the same code under torchrun):
+
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(3), "b": torch.zeros(2)})
+        >>> sharded.shards  # leaves in reverse key order: w, then b
+        (tensor([1., 1., 1., 0., 0.]),)
+        >>> sharded.gather()
+        {'w': tensor([1., 1., 1.]), 'b': tensor([0., 0.])}
+        >>> dist.destroy_process_group()
+
+        In a training loop:
 
         ```python
         sharded = gradaccum.shard(gradaccum.params_of(model))
@@ -366,6 +396,7 @@ def shard(
         step = gradaccum.accumulate(gradaccum.grad(loss_fn), n=4, sync=sync)
         sharded.write_grads(step(sharded, batch))  # gathers, accumulates, reduce-scatters
         opt.step()
+        opt.zero_grad(set_to_none=True)
         ```
     """
     from ._state import make_layout

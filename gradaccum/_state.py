@@ -45,7 +45,10 @@ class AccumState(NamedTuple, Generic[T]):
 
     Attributes:
         sums: The running weighted sums of the window's gradients, one tensor per gradient leaf
-            in the accumulation dtype, or ``None`` before the window's first micro-batch.
+            in the accumulation dtype, or ``None`` before the window's first micro-batch. Under
+            a [`reduce_scatter()`][gradaccum.reduce_scatter] sync, an object holding the full
+            sums (``boundary``) and the shard accumulators (``every``); checkpoint it with
+            [`state_dict()`][gradaccum.Accumulator.state_dict].
         weight: The total weight added in this window: rows (``mean``, ``sum``) or counts
             (``count``); a number, or a 0-dim tensor when counts are tensors.
         micro_step: How many micro-batches this window holds so far.
@@ -97,7 +100,10 @@ class Accumulator:
             over a process group in [`finalize()`][gradaccum.Accumulator.finalize], the only
             place that communicates. The result is then the gradient over every rank's
             micro-batches, and a rank whose window is empty may still call ``finalize``
-            (it contributes zero weight).
+            (it contributes zero weight). Or [`reduce_scatter()`][gradaccum.reduce_scatter]
+            for sharded params: ``finalize`` then returns this rank's gradient shards, and
+            under its ``every`` policy ``add`` reduce-scatters each micro-batch (every rank
+            must then call ``add`` at most ``n`` times per window).
 
     Examples:
         >>> import torch, gradaccum
@@ -138,11 +144,15 @@ class Accumulator:
         """An empty window for gradients shaped like ``params`` (nothing is allocated yet).
 
         Args:
-            params: The pytree of floating tensors the gradients are taken with respect to.
+            params: The pytree of floating tensors the gradients are taken with respect to
+                (with a [`reduce_scatter()`][gradaccum.reduce_scatter] sync, the
+                [`Sharded`][gradaccum.Sharded] itself, or its gathered params).
 
         Returns:
             An [`AccumState`][gradaccum.AccumState] with no micro-batch in it.
         """
+        if isinstance(self.sync, ReduceScatter) and params is self.sync.sharded:
+            return AccumState(None, 0, 0, 0, with_accum(self.sync.sharded.layout, self.accum_dtype))
         return AccumState(
             None, 0, 0, 0, make_layout("Accumulator.init(params)", params, self.accum_dtype)
         )
