@@ -196,26 +196,15 @@ def accumulate(
                     f"sync=reduce_scatter(...) every rank runs exactly n micro-steps per window. "
                     f"Pass at most n micro-batches, or a larger n."
                 )
-            if fast is not None and window is not None:
-                if micro:
-                    _scatter.fast_window(
-                        call,
-                        fast,
-                        args,
-                        kwargs,
-                        batch_argnum,
-                        micro,
-                        win,
-                        aux_acc,
-                        reduction=reduction,
-                        count=count,
-                        window=window,
-                        regather=regather,
-                        n=n,
+            if fast is not None:
+                if window is not None:
+                    run = functools.partial(
+                        _scatter.fast_window, window=window, regather=regather, n=n
                     )
-            elif fast is not None:
-                if micro:
-                    _fast_window(
+                else:
+                    run = functools.partial(_fast_window, sync=sync)
+                if micro:  # an empty batch runs nothing; the boundary still joins
+                    run(
                         call,
                         fast,
                         args,
@@ -226,7 +215,6 @@ def accumulate(
                         aux_acc,
                         reduction=reduction,
                         count=count,
-                        sync=sync,
                     )
             else:
                 for mb, rows in micro:

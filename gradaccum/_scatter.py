@@ -30,7 +30,7 @@ from ._buckets import Bucket
 from ._errors import GradAccumError, describe
 from ._record import record
 from ._shard import Sharded, ShardPlan, wire_plan
-from ._sync import _CHECKS, AllReduce, Check
+from ._sync import AllReduce, Check, check_options
 
 __all__ = ["ReduceScatter", "reduce_scatter"]
 
@@ -199,7 +199,10 @@ class _Window:
         self._new_step()
         self.bound_remaining = [len(b.members) for b in plan.buckets]
         self.bound_works: list[tuple[int, Any]] = []
-        self.any_every_step = False  # whether some every bucket was launched this step
+        self.leaf_off = [0] * len(lay.shapes)  # each leaf's offset in its bucket
+        for b in plan.buckets:
+            for i, off in zip(b.members, b.offsets):
+                self.leaf_off[i] = off
 
     # -- micro-steps --------------------------------------------------------------------------
 
@@ -222,7 +225,7 @@ class _Window:
             buf = self.staging.get(k)
             if buf is None:
                 buf = self.staging[k] = torch.zeros(b.padded, dtype=self.accum[k], device=b.device)
-            off = b.offsets[b.members.index(i)]
+            off = self.leaf_off[i]
             view = buf[off : off + g.numel()]
             view.copy_(g.reshape(-1))
             if alpha != 1:
@@ -478,19 +481,7 @@ def reduce_scatter(
         raise ValueError(
             f"{where}: gather must be 'window' or 'micro_batch', got {describe(gather)}."
         )
-    if not isinstance(check, str) or check not in _CHECKS:
-        raise ValueError(
-            f"{where}: check must be one of {', '.join(map(repr, _CHECKS))}, got {describe(check)}."
-        )
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-    ):
-        raise ValueError(
-            f"{where}: timeout must be None or a positive number of seconds, got "
-            f"{describe(timeout)}; pass e.g. timeout=60."
-        )
-    if not isinstance(overlap, bool):
-        raise TypeError(f"{where}: overlap must be a bool, got {describe(overlap)}.")
+    check_options(where, check, timeout, overlap)
     return ReduceScatter(
         sharded, policy, gather, check, None if timeout is None else float(timeout), overlap
     )

@@ -227,20 +227,15 @@ class Sharded:
             ValueError: ``grads`` does not match the shards in number, shape or dtype; nothing
                 is written then.
         """
-        where = "Sharded.write_grads(grads)"
-        if not isinstance(grads, (tuple, list)) or len(grads) != len(self.shards):
-            raise ValueError(
-                f"{where}: expected {len(self.shards)} gradient shards (one per shard tensor), "
-                f"got {describe(grads)}; pass the gradients that the accumulated function with "
-                f"sync=gradaccum.reduce_scatter(sharded) returned."
-            )
-        for k, (g, s) in enumerate(zip(grads, self.shards)):
-            if not isinstance(g, torch.Tensor) or g.shape != s.shape or g.dtype != s.dtype:
-                raise ValueError(
-                    f"{where}: gradient shard {k} is {describe(g)}, expected shape "
-                    f"{tuple(s.shape)} {dtype_name(s.dtype)}; pass the gradients that the "
-                    f"accumulated function with sync=gradaccum.reduce_scatter(sharded) returned."
-                )
+        _check_like(
+            "Sharded.write_grads(grads)",
+            grads,
+            self.shards,
+            "gradient shard",
+            ValueError,
+            "pass the gradients that the accumulated function with "
+            "sync=gradaccum.reduce_scatter(sharded) returned",
+        )
         for g, s in zip(grads, self.shards):
             s.grad = g
 
@@ -281,21 +276,38 @@ class Sharded:
         where = "Sharded.load_state_dict(state_dict)"
         check_meta(where, state_dict, FORMAT, self._meta())
         saved = state_dict.get("shards")
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.shards):
-            raise GradAccumError(
-                f"{where}: expected {len(self.shards)} saved shards, got {describe(saved)}; "
-                f"pass the dict that Sharded.state_dict() returned."
-            )
-        for k, (t, s) in enumerate(zip(saved, self.shards)):
-            if not isinstance(t, torch.Tensor) or t.shape != s.shape or t.dtype != s.dtype:
-                raise GradAccumError(
-                    f"{where}: saved shard {k} is {describe(t)}, expected shape "
-                    f"{tuple(s.shape)} {dtype_name(s.dtype)}; pass the dict that "
-                    f"Sharded.state_dict() returned."
-                )
+        _check_like(
+            where,
+            saved,
+            self.shards,
+            "saved shard",
+            GradAccumError,
+            "pass the dict that Sharded.state_dict() returned on this rank",
+        )
         with torch.no_grad():
-            for t, s in zip(saved, self.shards):
+            for t, s in zip(saved or (), self.shards):
                 s.copy_(t)
+
+
+def _check_like(
+    where: str,
+    given: Any,
+    shards: tuple[torch.Tensor, ...],
+    what: str,
+    error: type[Exception],
+    fix: str,
+) -> None:
+    """Check that ``given`` is a list of tensors shaped and typed like ``shards``."""
+    if not isinstance(given, (tuple, list)) or len(given) != len(shards):
+        raise error(
+            f"{where}: expected {len(shards)} tensors, one per shard, got {describe(given)}; {fix}."
+        )
+    for k, (t, s) in enumerate(zip(given, shards)):
+        if not isinstance(t, torch.Tensor) or t.shape != s.shape or t.dtype != s.dtype:
+            raise error(
+                f"{where}: {what} {k} is {describe(t)}, expected shape {tuple(s.shape)} "
+                f"{dtype_name(s.dtype)}; {fix}."
+            )
 
 
 def check_meta(where: str, sd: Any, fmt: str, meta: dict[str, Any]) -> None:

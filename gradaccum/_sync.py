@@ -392,6 +392,25 @@ def all_reduce(
             f"{where}: bucket_mb must be a positive number of MiB, got {describe(bucket_mb)}; "
             f"pass e.g. bucket_mb=25 (DDP's default)."
         )
+    check_options(where, check, timeout, overlap)
+    if group is not None and not (
+        dist.is_available()
+        and (isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER)
+    ):
+        raise TypeError(
+            f"{where}: group must be None (the default group) or a torch.distributed "
+            f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
+        )
+    return AllReduce(
+        group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
+    )
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def check_options(where: str, check: object, timeout: object, overlap: object) -> None:
+    """Validate the options that all_reduce and reduce_scatter share."""
     if not isinstance(check, str) or check not in _CHECKS:
         raise ValueError(
             f"{where}: check must be one of {', '.join(map(repr, _CHECKS))}, got "
@@ -405,24 +424,10 @@ def all_reduce(
             f"{where}: timeout must be None or a positive number of seconds, got "
             f"{describe(timeout)}; pass e.g. timeout=60."
         )
-    if group is not None and not (
-        dist.is_available()
-        and (isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER)
-    ):
-        raise TypeError(
-            f"{where}: group must be None (the default group) or a torch.distributed "
-            f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
-        )
     if not isinstance(overlap, bool):
         raise TypeError(
             f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
         )
-    return AllReduce(
-        group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
-    )
-
-
-# -- helpers ------------------------------------------------------------------------------------
 
 
 def _name(group: Any) -> str:
