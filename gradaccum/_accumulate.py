@@ -188,6 +188,8 @@ def accumulate(
                 lay = _state.make_layout(call, target, accum_dtype)
             win.state = _state.AccumState(None, 0, 0, 0, lay)
             window = scatter._open(call, lay, reduction) if scatter is not None else None
+            if window is not None:
+                window.regather = regather
             win.state = _state.AccumState(window, 0, 0, 0, lay)
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
             if window is not None and len(micro) > n:

@@ -17,6 +17,7 @@ rank with fewer micro-batches, or one that failed, completes the sequence with z
 
 from __future__ import annotations
 
+import datetime
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ __all__ = ["ReduceScatter", "reduce_scatter"]
 Policy = Literal["boundary", "every"]
 POLICIES = ("boundary", "every")
 GATHERS = ("window", "micro_batch")
-MAX_IN_FLIGHT = 2  # every-policy buckets on the wire at once (bounds the full-gradient memory)
+MAX_IN_FLIGHT = 2  # buckets on the wire at once: bounds the memory of (backend copies of) inputs
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,10 +196,12 @@ class _Window:
         self.bound_order = [k for k in range(len(plan.buckets)) if not self.every[k]]
         self.steps = 0  # completed micro-steps
         self.gathers = 0  # params gathers done by the window (gather="micro_batch")
+        self.regather = False  # set when the window gathers the params for each micro-step
         self.overlapping = False
         self._new_step()
         self.bound_remaining = [len(b.members) for b in plan.buckets]
-        self.bound_works: list[tuple[int, Any]] = []
+        self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
+        self.bound_works: list[tuple[int, Any]] = []  # launched, not yet waited on
         self.leaf_off = [0] * len(lay.shapes)  # each leaf's offset in its bucket
         for b in plan.buckets:
             for i, off in zip(b.members, b.offsets):
@@ -215,7 +218,7 @@ class _Window:
     def gather_params(self) -> Any:
         """The full params for one micro-step (gather='micro_batch'), counted for padding."""
         self.gathers += 1
-        return self.sync.sharded.gather()
+        return self.sync.sharded.gather(timeout=self.sync.timeout)
 
     def grad_ready(self, i: int, g: torch.Tensor, alpha: float = 1) -> None:
         """Leaf ``i``'s gradient for this micro-step is ``alpha * g``."""
@@ -295,16 +298,23 @@ class _Window:
     # -- the boundary -------------------------------------------------------------------------
 
     def _launch_bound(self, ready_only: bool) -> None:
-        while len(self.bound_works) < len(self.bound_order):
-            k = self.bound_order[len(self.bound_works)]
+        while self.bound_launched < len(self.bound_order):
+            k = self.bound_order[self.bound_launched]
             if ready_only and self.bound_remaining[k] > 0:
                 return
+            while len(self.bound_works) >= MAX_IN_FLIGHT:  # the backend may copy each input
+                self._wait_bound()
             b = self.plan.buckets[k]
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
             record("reduce_scatter", self.group, buf.dtype, b.padded, "gradients")
             self.bound_works.append((k, self._scatter(k, region, buf)))
+            self.bound_launched += 1
+
+    def _wait_bound(self) -> None:
+        k, work = self.bound_works.pop(0)
+        self.sync._comm._wait(self.where, k, self.wire, work, self.rank)
 
     def _scatter(self, k: int, out: torch.Tensor, inp: torch.Tensor) -> Any:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -314,13 +324,14 @@ class _Window:
             raise self.sync._comm._failure(self.where, k, self.wire, self.rank, err) from err
 
     def finish(
-        self, reduction: str, weight: Any, n: int, failed: bool = False
+        self, where: str, reduction: str, weight: Any, n: int, failed: bool = False
     ) -> tuple[tuple[torch.Tensor, ...], float]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
+        self.where = where  # errors from here on are the boundary's (finalize), not add's
         self.overlapping = False
         if self.launched or self.in_flight:  # a step cut short by an error
             self.end_step()
-        regather = self.sync.gather == "micro_batch"
+        regather = self.regather
         while self.every_order and self.steps < n or (regather and self.gathers < n):
             if regather and self.gathers <= self.steps:
                 self.gather_params()
@@ -340,10 +351,13 @@ class _Window:
             raise self.sync._comm._broken(
                 self.where, "the weight all_reduce", self.rank, err
             ) from err
-        for k, work in self.bound_works:
-            self.sync._comm._wait(self.where, k, self.wire, work, self.rank)
+        while self.bound_works:
+            self._wait_bound()
         try:
-            tail_work.wait()
+            if self.sync.timeout is None:
+                tail_work.wait()
+            else:
+                tail_work.wait(timeout=datetime.timedelta(seconds=self.sync.timeout))
         except RuntimeError as err:
             raise self.sync._comm._broken(
                 self.where, "the weight all_reduce", self.rank, err
@@ -514,7 +528,7 @@ def params_arg(
     if sync.gather == "micro_batch":
         return args, True
     new = list(args)
-    new[a] = sync.sharded.gather()
+    new[a] = sync.sharded.gather(timeout=sync.timeout)
     return tuple(new), False
 
 

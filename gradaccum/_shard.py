@@ -14,6 +14,7 @@ concatenation of its chunks of that group's buckets, so that
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,9 +163,12 @@ class Sharded:
         world: int,
         bucket_mb: float,
     ) -> None:
-        self.layout, self.plan, self.shards = layout, plan, shards
-        self.group, self.rank, self.world, self.bucket_mb = group, rank, world, bucket_mb
+        self.layout, self.plan = layout, plan
+        self.shards = shards
+        """This rank's shard tensors, flat and padded: give them to the optimizer."""
         self.names = plan.names
+        """The parameter group of each shard tensor."""
+        self.group, self.rank, self.world, self.bucket_mb = group, rank, world, bucket_mb
 
     def __repr__(self) -> str:
         full = sum(s.numel() for s in self.layout.shapes)
@@ -188,8 +192,13 @@ class Sharded:
             )
         return found
 
-    def gather(self) -> Any:
+    def gather(self, *, timeout: float | None = None) -> Any:
         """The full params, all-gathered from every rank's shards (one collective per bucket).
+
+        Args:
+            timeout: Seconds to wait for each all-gather before raising
+                [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process
+                group's timeout.
 
         Returns:
             A pytree shaped like the params given to [`shard()`][gradaccum.shard], whose leaves
@@ -212,7 +221,7 @@ class Sharded:
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
             for w in works:
-                _wait(where, w)
+                _wait(where, w, timeout)
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -427,6 +436,12 @@ def shard(
             f"name, got {describe(param_groups)}; pass e.g. "
             f"param_groups=lambda path: 'no_decay' if 'bias' in path else 'decay'."
         )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{where}: sharding needs torch.distributed initialised, but no process group "
+            f"exists; call torch.distributed.init_process_group(...) first (torchrun sets the "
+            f"environment for it; a world of one process works too)."
+        )
     lay = make_layout(where, params, None)
     names = []
     for path in lay.paths:
@@ -483,9 +498,12 @@ def _all_gather(where: str, out: torch.Tensor, inp: torch.Tensor, group: Any) ->
         raise GradAccumError(f"{where}: the all-gather of a params bucket failed: {err}") from err
 
 
-def _wait(where: str, work: Any) -> None:
+def _wait(where: str, work: Any, timeout: float | None = None) -> None:
     try:
-        work.wait()
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as err:
         raise GradAccumError(
             f"{where}: a collective failed: {str(err).splitlines()[0] if str(err) else err}. A "

@@ -541,7 +541,7 @@ def finalize(
     lay: _Layout = state.layout
     if isinstance(sync, ReduceScatter):
         window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
-        shards, _ = window.finish(reduction, state.weight, n, failed)
+        shards, _ = window.finish(where, reduction, state.weight, n, failed)
         return shards, AccumState(None, 0, 0, state.window + 1, lay)
     if sync is not None:
         with torch.no_grad():

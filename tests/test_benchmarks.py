@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark suite: ``benchmarks/suite.py --quick`` runs and agrees."""
+"""Smoke tests of the benchmarks: ``suite.py --quick`` and ``sharded.py --quick`` run and agree."""
 
 import json
 import subprocess
@@ -67,4 +67,51 @@ def test_suite_quick(tmp_path: Path) -> None:
         results["models"]["mlp"]["two_process"]["strategies"]["ddp-naive"]["2"]["collectives"]
         == 2
         * results["models"]["mlp"]["two_process"]["strategies"]["ddp-no_sync"]["2"]["collectives"]
+    )
+
+
+SHARDED = Path(__file__).resolve().parent.parent / "benchmarks" / "sharded.py"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_sharded_quick(tmp_path: Path) -> None:
+    out = tmp_path / "sharded.json"
+    proc = subprocess.run(
+        [sys.executable, str(SHARDED), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"sharded.py exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+        f"--- stderr\n{proc.stderr[-4000:]}"
+    )
+    header = "| strategy | n | peak MiB | vs all_reduce | collectives/step | MiB on the wire/step |"
+    assert header in proc.stdout
+    strategies = ["all_reduce", "boundary", "every", "every-micro_batch"]
+    for name in strategies:
+        for n in (1, 4):
+            assert f"| {name} | {n} | " in proc.stdout, (name, n)
+    results = json.loads(out.read_text())
+    assert results["agree"] is True
+    assert set(results["results"]) == set(strategies)
+    cells = results["results"]
+    for name in strategies:
+        for cell in cells[name].values():
+            assert cell["peak_mib"] > 0
+            assert cell["param_max_abs_diff"] <= 1e-5
+    # What goes on the wire is deterministic: boundary reduce-scatters once per window, every
+    # once per micro-batch, every-micro_batch also all-gathers once per micro-batch.
+    by_kind = {name: cells[name]["4"]["by_kind"] for name in strategies}
+    assert by_kind["all_reduce"]["reduce_scatter"]["count"] == 0
+    assert (
+        by_kind["every"]["reduce_scatter"]["count"]
+        == 4 * (by_kind["boundary"]["reduce_scatter"]["count"])
+    )
+    assert (
+        by_kind["every-micro_batch"]["all_gather"]["count"]
+        == 4 * (by_kind["every"]["all_gather"]["count"])
     )

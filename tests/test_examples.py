@@ -129,3 +129,45 @@ def test_causal_lm_tokens(ranks: int) -> None:
     assert float(shortcut.group(1)) > 1e-4  # the mean of micro-batch means is not the token mean
     assert max_difference(stdout) <= 1e-9
     assert stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize(
+    ("policy", "args", "tol", "per_step"),
+    [
+        # 3 buckets (bucket_mb 0.01): one all_gather and one reduce_scatter of each per step.
+        (
+            "boundary",
+            ("--dtype", "float32"),
+            1e-4,
+            "3 all_gather (params) of 22032 bytes, 3 reduce_scatter (gradients) of 22032 bytes",
+        ),
+        # Unequal rows (23 and 22), every bucket gathered and reduce-scattered per micro-batch.
+        (
+            "every",
+            ("--dtype", "float64", "--batch", "45", "-n", "3", "--gather", "micro_batch"),
+            1e-9,
+            "9 all_gather (params) of 132192 bytes, "
+            "9 reduce_scatter (gradients (every)) of 132192 bytes",
+        ),
+    ],
+    ids=["boundary-float32", "every-float64-unequal-micro_batch"],
+)
+def test_fsdp(
+    policy: str, args: tuple[str, ...], tol: float, per_step: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("tqdm", reason="examples/fsdp.py needs the [examples] extra")
+    common = ("--check", "--steps", "10", "--device", "cpu", "--checkpoint", str(tmp_path))
+    stdout = run_torchrun("fsdp.py", *common, "--policy", policy, *args)
+    assert "2 rank(s), gloo on cpu; 10 steps" in stdout
+    assert f"policy {policy}" in stdout
+    if "--batch" in args:
+        assert "global batch 45 rows = [23, 22] per rank" in stdout
+    after = re.search(r"^collectives per step after that: (.*)$", stdout, re.M)
+    assert after, stdout
+    assert per_step in after.group(1)
+    assert "1 all_reduce (weight) of 16 bytes" in after.group(1)
+    assert "1 all_reduce (norm) of" in after.group(1)
+    assert "collectives as the plan predicts, in every step on every rank: True" in stdout
+    assert "bit-identical to the uninterrupted run: True" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert max_difference(stdout) <= tol
