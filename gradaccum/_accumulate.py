@@ -11,7 +11,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from . import _reduce, _scatter, _split, _state, _tree
+from . import _reduce, _shard_window, _split, _state, _tree
 from ._autograd import GradFn
 from ._errors import describe
 from ._scatter import ReduceScatter
@@ -174,7 +174,7 @@ def accumulate(
         scatter = sync if isinstance(sync, ReduceScatter) else None
         regather = False
         if scatter is not None:  # gathers the params (once per window) if given sharded
-            args, regather = _scatter.params_arg(call, scatter, args, grad_args)  # type: ignore[assignment]
+            args, regather = _shard_window.params_arg(call, scatter, args, grad_args)  # type: ignore[assignment]
         target = (
             args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
         )
@@ -201,7 +201,7 @@ def accumulate(
             if fast is not None:
                 if window is not None:
                     run = functools.partial(
-                        _scatter.fast_window, window=window, regather=regather, n=n
+                        _shard_window.fast_window, window=window, regather=regather, n=n
                     )
                 else:
                     run = functools.partial(_fast_window, sync=sync)
@@ -222,7 +222,7 @@ def accumulate(
                 for mb, rows in micro:
                     if regather:
                         assert window is not None
-                        cur = _scatter.with_params(args, grad_args[0], window.gather_params())
+                        cur = _shard_window.with_params(args, grad_args[0], window.gather_params())
                         head, tail = cur[:batch_argnum], cur[batch_argnum + 1 :]
                     out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
                     grads, aux = _unpack(call, out) if has_aux else (out, None)
