@@ -908,3 +908,36 @@ def test_errors_in_a_world_of_one() -> None:
         gradaccum.shard(params, param_groups=lambda path: 1)  # type: ignore[arg-type,return-value]
     with pytest.raises(TypeError):
         gradaccum.shard({"i": torch.arange(3)})
+
+
+def _unshard(sharded: gradaccum.Sharded, grads: tuple[torch.Tensor, ...]) -> Any:
+    """Gradient shards as a full tree: put them in the shards a while and gather."""
+    saved = [s.clone() for s in sharded.shards]
+    with torch.no_grad():
+        for s, g in zip(sharded.shards, grads, strict=True):
+            s.copy_(g)
+        full = sharded.gather()
+        for s, t in zip(sharded.shards, saved, strict=True):
+            s.copy_(t)
+    return full
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_world_of_one_equals_the_whole_batch() -> None:
+    """One process (a group of one rank): both policies, both gathers, both step kinds, n."""
+    params = mlp_params()
+    batch = regression_batch(12)
+    ref = grad(mean_loss)(params, batch)
+    sharded = gradaccum.shard(params, bucket_mb=1e-5)  # several buckets
+    diffs = {}
+    for policy in ("boundary", "every"):
+        for gather in ("window", "micro_batch"):
+            sync = gradaccum.reduce_scatter(sharded, policy=policy, gather=gather)
+            for name, step_fn in (("fast", gradaccum.grad(mean_loss)), ("func", grad(mean_loss))):
+                for n in (1, 3, 4):
+                    step = gradaccum.accumulate(step_fn, n, sync=sync)
+                    got = _unshard(sharded, step(sharded, batch))
+                    diffs[f"{policy} {gather} {name} n={n}"] = max_diff(got, ref)
+    bad = {k: v for k, v in diffs.items() if not v <= 1e-12}
+    assert not bad, bad
+    assert len(diffs) == 24
