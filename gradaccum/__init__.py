@@ -11,6 +11,10 @@ from ._autograd import grad_and_value as grad_and_value
 from ._boundary import LossScale as LossScale
 from ._boundary import LossScaleState as LossScaleState
 from ._boundary import clip_by_global_norm as clip_by_global_norm
+from ._compress import compressed_all_reduce as compressed_all_reduce
+from ._compress import topk_all_reduce as topk_all_reduce
+from ._custom import CustomReduce as CustomReduce
+from ._custom import custom_reduce as custom_reduce
 from ._errors import GradAccumError as GradAccumError
 from ._module import buffers_of as buffers_of
 from ._module import call_module as call_module
@@ -38,6 +42,7 @@ __all__ = [
     "AllReduce",
     "Bucket",
     "Collective",
+    "CustomReduce",
     "GradAccumError",
     "LossScale",
     "LossScaleState",
@@ -49,12 +54,15 @@ __all__ = [
     "buffers_of",
     "call_module",
     "clip_by_global_norm",
+    "compressed_all_reduce",
+    "custom_reduce",
     "grad",
     "grad_and_value",
     "params_of",
     "record_collectives",
     "reduce_scatter",
     "shard",
+    "topk_all_reduce",
     "update_buffers",
     "write_grads",
 ]

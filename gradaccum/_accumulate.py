@@ -13,6 +13,7 @@ import torch
 
 from . import _reduce, _shard_window, _split, _state, _tree
 from ._autograd import GradFn
+from ._custom import CustomReduce
 from ._errors import describe
 from ._scatter import ReduceScatter
 from ._sync import AllReduce
@@ -34,7 +35,8 @@ def accumulate(
     argnums: int | tuple[int, ...] | None = None,
     batch_argnum: int = 1,
     accum_dtype: torch.dtype | None = None,
-    sync: AllReduce | ReduceScatter | None = None,
+    sync: AllReduce | ReduceScatter | CustomReduce | None = None,
+    micro_transform: Callable[[Any], Any] | None = None,
 ) -> Callable[P, R]:
     """Turn a gradient function into one that accumulates over ``n`` micro-batches.
 
@@ -94,7 +96,16 @@ def accumulate(
             [`reduce_scatter()`][gradaccum.reduce_scatter] for sharded params: the function
             then takes the [`Sharded`][gradaccum.Sharded] (or its gathered params) as its
             params and returns this rank's gradient shards, a tuple aligned with
-            ``sharded.shards``.
+            ``sharded.shards``. Or a [`custom_reduce()`][gradaccum.custom_reduce] (your own
+            boundary reduction, or a built-in one such as
+            [`compressed_all_reduce()`][gradaccum.compressed_all_reduce]); it keeps its state
+            between calls in [`CustomReduce.state`][gradaccum.CustomReduce.state].
+        micro_transform: A function applied to each micro-batch's gradients (the tree
+            ``step_fn`` returns) before they are added, e.g. per-sample clipping of
+            ``vmap``-ed per-sample gradients followed by their sum; it must return gradients
+            shaped like the params. With it, a [`grad()`][gradaccum.grad] step function is
+            called like any other (no fast path), since each micro-batch's gradient tree is
+            needed.
 
     Returns:
         A function with the signature of ``step_fn`` returning the accumulated ``grads``, or
@@ -156,12 +167,20 @@ def accumulate(
         )
     _reduce.check_aux_reduction(where, aux_reduction)
     _state.check_sync(where, sync)
-    fast = step_fn if isinstance(step_fn, GradFn) else None
+    if micro_transform is not None and not callable(micro_transform):
+        raise TypeError(
+            f"{where}: micro_transform must be None or a function from one micro-batch's "
+            f"gradients to the gradients to add, got {describe(micro_transform)}."
+        )
+    grad_fn = step_fn if isinstance(step_fn, GradFn) else None
     if argnums is None:
-        argnums = fast.argnums if fast is not None else 0
+        argnums = grad_fn.argnums if grad_fn is not None else 0
     grad_args = _check_argnums(where, argnums, batch_argnum)
-    if fast is not None:
-        _check_fast(where, fast, argnums, has_aux)
+    if grad_fn is not None:
+        _check_fast(where, grad_fn, argnums, has_aux)
+    # The fast path adds each backward straight into the sums: no gradient tree to transform.
+    fast = grad_fn if micro_transform is None else None
+    custom = sync if isinstance(sync, CustomReduce) else None
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
@@ -190,7 +209,9 @@ def accumulate(
             window = scatter._open(call, lay, reduction) if scatter is not None else None
             if window is not None:
                 window.regather = regather
-            win.state = _state.AccumState(window, 0, 0, 0, lay)
+            win.state = _state.AccumState(
+                window, 0, 0, 0, lay, custom.state if custom is not None else None
+            )
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
             if window is not None and len(micro) > n:
                 raise ValueError(
@@ -204,7 +225,11 @@ def accumulate(
                         _shard_window.fast_window, window=window, regather=regather, n=n
                     )
                 else:
-                    run = functools.partial(_fast_window, sync=sync)
+                    run = functools.partial(
+                        _fast_window,
+                        sync=sync if isinstance(sync, AllReduce) else None,
+                        prescale_ok=sync is None,
+                    )
                 if micro:  # an empty batch runs nothing; the boundary still joins
                     run(
                         call,
@@ -226,6 +251,8 @@ def accumulate(
                         head, tail = cur[:batch_argnum], cur[batch_argnum + 1 :]
                     out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
                     grads, aux = _unpack(call, out) if has_aux else (out, None)
+                    if micro_transform is not None:
+                        grads = micro_transform(grads)
                     raw, items, alpha, weight = _state.weigh(call, reduction, count, rows, aux)
                     win.state = _state.add_grads(
                         call, win.state, grads, alpha, weight, sync, reduction
@@ -242,7 +269,9 @@ def accumulate(
             raise
         # The boundary: the one place that communicates (with sync=).
         state = win.state
-        grads, _ = _state.finalize(call, reduction, state, sync, pending=win.pending, n=n)
+        grads, after = _state.finalize(call, reduction, state, sync, pending=win.pending, n=n)
+        if custom is not None:
+            custom.load_state(after.reduce_state)
         if aux_acc is not None:
             aux_out = aux_acc.result() if state.micro_step else None
             return (grads, aux_out)  # type: ignore[return-value]
@@ -288,6 +317,7 @@ def _fast_window(
     reduction: _reduce.Reduction,
     count: Callable[[Any], Any] | None,
     sync: AllReduce | None,
+    prescale_ok: bool = True,
 ) -> None:
     """The window of a torch.autograd step function: backward straight into the accumulator.
 
@@ -346,7 +376,11 @@ def _fast_window(
         last = len(micro) - 1
         # One process, mean: seed each backward with rows / total rows (as a hand-written loop
         # scales its loss), so the sums are the mean already and the boundary divides by 1.
-        prescale = sum(rows for _, rows in micro) if sync is None and reduction == "mean" else 0
+        prescale = (
+            sum(rows for _, rows in micro)
+            if sync is None and prescale_ok and reduction == "mean"
+            else 0
+        )
         for j, (mb, rows) in enumerate(micro):
             new_args[batch_argnum] = mb
             value, aux = fn.forward(call, new_args, kwargs)
@@ -378,8 +412,8 @@ def _fast_window(
                     if i not in moved:  # no gradient in this micro-batch: start from zero
                         sums[i].zero_()
                         leaf.grad = sums[i]
-            win.state = state = _state.AccumState(
-                state.sums, state.weight + weight, state.micro_step + 1, state.window, lay
+            win.state = state = state._replace(
+                weight=state.weight + weight, micro_step=state.micro_step + 1
             )
             if aux_acc is not None:
                 aux_acc.add(aux, rows, items, raw)

@@ -37,6 +37,9 @@ def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:
         "weight": state.weight,
         "micro_step": state.micro_step,
         "window": state.window,
+        "reduce_state": _tree.map_(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state.reduce_state
+        ),
     }
 
 
@@ -153,4 +156,6 @@ def load(
     weight = sd["weight"]
     if isinstance(weight, torch.Tensor):
         weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
-    return type(state)(restored, weight, int(sd["micro_step"]), int(sd["window"]), lay)
+    return type(state)(
+        restored, weight, int(sd["micro_step"]), int(sd["window"]), lay, sd.get("reduce_state")
+    )

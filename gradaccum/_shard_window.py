@@ -313,7 +313,7 @@ def fast_window(
     accumulated it (and drop it): ``boundary`` leaves add into their full running sums,
     ``every`` leaves fill their bucket, which is reduce-scattered once complete.
     """
-    from ._state import AccumState, weigh
+    from ._state import weigh
 
     state = win.state
     lay = state.layout
@@ -369,8 +369,8 @@ def fast_window(
                     seed = None
                 torch.autograd.backward(value, seed, inputs=leaves)
             window.end_step()
-            win.state = state = AccumState(
-                window, state.weight + weight, state.micro_step + 1, state.window, lay
+            win.state = state = state._replace(
+                sums=window, weight=state.weight + weight, micro_step=state.micro_step + 1
             )
             if aux_acc is not None:
                 aux_acc.add(aux, rows, items, raw)

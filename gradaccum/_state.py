@@ -15,6 +15,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from . import _checkpoint, _reduce, _scatter, _tree
+from ._custom import CustomReduce
 from ._errors import describe, dtype_name
 from ._scatter import ReduceScatter
 from ._sync import AllReduce
@@ -54,6 +55,9 @@ class AccumState(NamedTuple, Generic[T]):
         micro_step: How many micro-batches this window holds so far.
         window: How many windows were finalized before this one.
         layout: Static description of the gradient tree (structure, shapes, dtypes).
+        reduce_state: The state of a [`custom_reduce()`][gradaccum.custom_reduce] sync between
+            windows (e.g. error-feedback buffers), ``None`` for other syncs; it is saved by
+            [`state_dict()`][gradaccum.Accumulator.state_dict].
 
     Examples:
         >>> import torch, gradaccum
@@ -68,6 +72,7 @@ class AccumState(NamedTuple, Generic[T]):
     micro_step: int
     window: int
     layout: Any
+    reduce_state: Any = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ class Accumulator:
     n: int | Callable[[int], int]
     reduction: _reduce.Reduction = "mean"
     accum_dtype: torch.dtype | None = None
-    sync: AllReduce | ReduceScatter | None = None
+    sync: AllReduce | ReduceScatter | CustomReduce | None = None
 
     @property
     def _where(self) -> str:
@@ -254,7 +259,7 @@ class Accumulator:
         where = f"{self._where}.abort(state)"
         check_state(where, state)
         abort(where, self.reduction, state, self.sync, n=self.window_size(state))
-        return AccumState(None, 0, 0, state.window + 1, state.layout)
+        return AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -287,7 +292,8 @@ class Accumulator:
         check_state("Accumulator.load_state_dict(state, state_dict)", state)
         if isinstance(self.sync, ReduceScatter):
             return _scatter.load(self.sync, self.reduction, state, state_dict)  # type: ignore[no-any-return]
-        return _checkpoint.load(self.reduction, state, state_dict, self.sync)
+        sync = self.sync if isinstance(self.sync, AllReduce) else None
+        return _checkpoint.load(self.reduction, state, state_dict, sync)
 
 
 # -- the mechanism, shared with accumulate ------------------------------------------------------
@@ -329,11 +335,11 @@ def check_accum_dtype(where: str, dtype: object) -> None:
 
 def check_sync(where: str, sync: object) -> None:
     """Validate ``sync=``."""
-    if sync is not None and not isinstance(sync, (AllReduce, ReduceScatter)):
+    if sync is not None and not isinstance(sync, (AllReduce, ReduceScatter, CustomReduce)):
         raise TypeError(
-            f"{where}: sync must be None, gradaccum.all_reduce(...) or "
-            f"gradaccum.reduce_scatter(sharded), got {describe(sync)}; pass "
-            f"sync=gradaccum.all_reduce() to synchronise over the default process group."
+            f"{where}: sync must be None, gradaccum.all_reduce(...), "
+            f"gradaccum.reduce_scatter(sharded) or a custom reduction, got {describe(sync)}; "
+            f"pass sync=gradaccum.all_reduce() to synchronise over the default process group."
         )
 
 
@@ -487,7 +493,7 @@ def add_grads(
     grads: T,
     alpha: int,
     weight: _reduce.Weight,
-    sync: AllReduce | ReduceScatter | None = None,
+    sync: AllReduce | ReduceScatter | CustomReduce | None = None,
     reduction: str = "mean",
 ) -> AccumState[T]:
     """Validate, then add ``alpha * grads`` into the running sums (allocated on first use).
@@ -500,17 +506,19 @@ def add_grads(
         window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
         with torch.no_grad():
             window.add(leaves, alpha)
-        return AccumState(window, state.weight + weight, state.micro_step + 1, state.window, lay)
+        return state._replace(
+            sums=window, weight=state.weight + weight, micro_step=state.micro_step + 1
+        )
     with torch.no_grad():
         if state.sums is None:
-            out = sync._allocate(lay) if sync is not None else None
+            out = sync._allocate(lay) if isinstance(sync, AllReduce) else None
             sums = _tree.unflatten(
                 lay.spec, _reduce.first_add(leaves, lay.accum_dtypes, alpha, out)
             )
         else:
             sums = state.sums
             _reduce.add_into(_tree.flatten(sums)[0], leaves, alpha)
-    return AccumState(sums, state.weight + weight, state.micro_step + 1, state.window, lay)
+    return state._replace(sums=sums, weight=state.weight + weight, micro_step=state.micro_step + 1)
 
 
 def allocate(lay: _Layout, sync: AllReduce | None) -> list[torch.Tensor]:
@@ -527,7 +535,7 @@ def finalize(
     where: str,
     reduction: _reduce.Reduction,
     state: AccumState[T],
-    sync: AllReduce | ReduceScatter | None = None,
+    sync: AllReduce | ReduceScatter | CustomReduce | None = None,
     failed: bool = False,
     pending: Any = None,
     n: int = 1,
@@ -539,6 +547,15 @@ def finalize(
     ``pending`` is a boundary already opened (some buckets launched during the last backward).
     """
     lay: _Layout = state.layout
+    if isinstance(sync, CustomReduce):
+        sums = None if state.sums is None else _tree.flatten(state.sums)[0]
+        leaves, new = sync._finish(
+            where, reduction, lay, sums, state.weight, state.reduce_state, failed
+        )
+        with torch.no_grad():
+            out = [g.to(d) for g, d in zip(leaves, lay.dtypes)]
+        nxt = AccumState(None, 0, 0, state.window + 1, lay, new)
+        return _tree.unflatten(lay.spec, out) if not failed else None, nxt  # type: ignore[return-value]
     if isinstance(sync, ReduceScatter):
         window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
         shards, _ = window.finish(where, reduction, state.weight, n, failed)
@@ -578,7 +595,7 @@ def abort(
     where: str,
     reduction: _reduce.Reduction,
     state: AccumState[Any] | None,
-    sync: AllReduce | ReduceScatter | None,
+    sync: AllReduce | ReduceScatter | CustomReduce | None,
     pending: Any = None,
     n: int = 1,
 ) -> None:
@@ -588,6 +605,12 @@ def abort(
     is used, if it has one. Errors while joining are dropped: the caller re-raises its own.
     """
     if sync is None:
+        return
+    if state is None and isinstance(sync, CustomReduce):
+        try:
+            sync._finish(where, reduction, None, None, 0, None, True)
+        except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
+            pass
         return
     if state is None:
         if isinstance(sync, ReduceScatter):
