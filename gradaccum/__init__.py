@@ -15,6 +15,8 @@ from ._compress import compressed_all_reduce as compressed_all_reduce
 from ._compress import topk_all_reduce as topk_all_reduce
 from ._custom import CustomReduce as CustomReduce
 from ._custom import custom_reduce as custom_reduce
+from ._dp import clip_per_sample as clip_per_sample
+from ._dp import dp_noise as dp_noise
 from ._errors import GradAccumError as GradAccumError
 from ._module import buffers_of as buffers_of
 from ._module import call_module as call_module
@@ -54,8 +56,10 @@ __all__ = [
     "buffers_of",
     "call_module",
     "clip_by_global_norm",
+    "clip_per_sample",
     "compressed_all_reduce",
     "custom_reduce",
+    "dp_noise",
     "grad",
     "grad_and_value",
     "params_of",

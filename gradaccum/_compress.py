@@ -89,6 +89,8 @@ def compressed_all_reduce(
     cap = max(1, int(bucket_mb * 2**20) // dtype.itemsize)
 
     def low_precision_sum(grads: Any, state: Any, pg: Any) -> tuple[Any, Any]:
+        if pg is None:  # one process: nothing to send
+            return grads, state
         leaves, spec = _tree.flatten(grads)
         works = []
         for idx in _groups(leaves).values():
@@ -175,7 +177,7 @@ def topk_all_reduce(
     def topk_sum(grads: Any, errors: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         errs = _tree.flatten(errors)[0]
-        world = dist.get_world_size(pg)
+        world = dist.get_world_size(pg) if pg is not None else 1
         for _, idx in _groups(leaves).items():
             flat = torch.cat([(leaves[i] + errs[i]).reshape(-1) for i in idx])
             k = max(1, math.ceil(ratio * flat.numel()))
@@ -184,13 +186,18 @@ def topk_all_reduce(
             flat.index_fill_(0, top, 0)  # the error: what is not sent now
             got_v = torch.empty(world * k, dtype=values.dtype, device=values.device)
             got_i = torch.empty(world * k, dtype=torch.int64, device=values.device)
-            record("all_gather", pg, values.dtype, world * k, "gradients (top-k values)")
-            record("all_gather", pg, torch.int64, world * k, "gradients (top-k indices)")
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            w1 = gather(got_v, values, group=pg, async_op=True)
-            w2 = gather(got_i, top, group=pg, async_op=True)
-            w1.wait()
-            w2.wait()
+            if pg is not None:
+                record("all_gather", pg, values.dtype, world * k, "gradients (top-k values)")
+                record("all_gather", pg, torch.int64, world * k, "gradients (top-k indices)")
+            if pg is None:  # one process: what is sent is what arrives
+                got_v.copy_(values)
+                got_i.copy_(top)
+            else:
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                w1 = gather(got_v, values, group=pg, async_op=True)
+                w2 = gather(got_i, top, group=pg, async_op=True)
+                w1.wait()
+                w2.wait()
             dense = torch.zeros_like(flat).index_add_(0, got_i, got_v)
             off = 0
             for i in idx:

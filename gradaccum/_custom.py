@@ -73,23 +73,13 @@ class CustomReduce:
         """Restore the state that [`state`][gradaccum.CustomReduce.state] returned (resume)."""
         self._state[0] = state
 
-    def _finish(
-        self,
-        where: str,
-        reduction: str,
-        lay: Any | None,
-        sums: list[torch.Tensor] | None,
-        weight: Any,
-        reduce_state: Any,
-        failed: bool,
-    ) -> tuple[list[torch.Tensor], Any]:
-        """The boundary: sum the weight, take this rank's share, apply ``fn``, check its output."""
-        comm = AllReduce(self.group, timeout=self.timeout)
-        group, rank, world = comm._group(where)
-        if lay is None:  # a rank that failed before its window had a layout
-            lay = self._last[0] if self._last else None
-        else:
-            self._last[:] = [lay]
+    def _group(self, where: str) -> tuple[Any, int, int]:
+        return AllReduce(self.group, timeout=self.timeout)._group(where)
+
+    def _sum_weight(
+        self, where: str, lay: Any, group: Any, rank: int, weight: Any, failed: bool
+    ) -> tuple[float, float]:
+        """All-reduce ``[weight, failed]`` (float64): the global weight and failed ranks."""
         device = lay.devices[0] if lay is not None and lay.devices else torch.device("cpu")
         tail = torch.zeros(2, dtype=torch.float64, device=device)
         if isinstance(weight, torch.Tensor):
@@ -105,8 +95,33 @@ class CustomReduce:
             else:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as err:
+            comm = AllReduce(self.group, timeout=self.timeout)
             raise comm._broken(where, "the weight all_reduce", rank, err) from err
         total, n_failed = tail.tolist()
+        return total, n_failed
+
+    def _finish(
+        self,
+        where: str,
+        reduction: str,
+        lay: Any | None,
+        sums: list[torch.Tensor] | None,
+        weight: Any,
+        reduce_state: Any,
+        failed: bool,
+    ) -> tuple[list[torch.Tensor], Any]:
+        """The boundary: sum the weight, take this rank's share, apply ``fn``, check its output."""
+        if lay is None:  # a rank that failed before its window had a layout
+            lay = self._last[0] if self._last else None
+        else:
+            self._last[:] = [lay]
+        if self.group is None and not (dist.is_available() and dist.is_initialized()):
+            group: Any = None  # one process: nobody to talk to
+            rank, world = 0, 1
+            total, n_failed = float(weight), 0.0
+        else:
+            group, rank, world = self._group(where)
+            total, n_failed = self._sum_weight(where, lay, group, rank, weight, failed)
         if failed or lay is None:
             return [], reduce_state
         if n_failed:
@@ -174,7 +189,9 @@ def custom_reduce(
     (exact, like ``dist.all_reduce``, or an estimate, like a compressed one) and its state for
     the next window. ``fn`` may communicate as it likes on ``group``; every rank calls it once
     per window, also a rank whose window was empty (its share is zero). When a rank failed
-    during the window, no rank calls ``fn``: every rank raises instead.
+    during the window, no rank calls ``fn``: every rank raises instead. In one process without
+    torch.distributed (and ``group=None``), nothing is communicated and ``fn`` gets
+    ``group=None``: a world of one, where the share is the whole gradient.
 
     Args:
         fn: The reduction, ``(grads, state, group) -> (summed_grads, new_state)``. It runs under

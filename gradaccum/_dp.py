@@ -1,0 +1,183 @@
+"""DP-SGD: per-sample clipping (a micro-batch transform) and one noise draw per window (a boundary).
+
+Abadi et al. 2016, "Deep Learning with Differential Privacy": each sample's gradient is clipped
+to norm ``C``, the clipped gradients are summed over the whole (logical) batch, Gaussian noise of
+standard deviation ``sigma * C`` is added once, and the result is divided by the expected batch
+size ``L``. With gradient accumulation the batch spans micro-batches and ranks: clipping happens
+per micro-batch, the sum at the boundary, and the noise once per window, after the sum, drawn
+from a generator that every rank seeds alike (so every rank adds the same noise, and the model
+stays identical on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _tree
+from ._custom import CustomReduce, custom_reduce
+from ._errors import describe
+from ._record import record
+
+__all__ = ["clip_per_sample", "dp_noise"]
+
+T = TypeVar("T")
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: mixes (seed, window) into one generator seed
+
+
+def _positive(where: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{where}: {name} must be a positive number, got {describe(value)}.")
+    return float(value)
+
+
+def clip_per_sample(max_norm: float) -> Callable[[T], T]:
+    """A ``micro_transform``: clip each sample's gradient to ``max_norm``, then sum the samples.
+
+    For [`accumulate(..., micro_transform=...)`][gradaccum.accumulate] with a step function that
+    returns *per-sample* gradients (a leading sample dimension on every leaf), such as
+    ``torch.func.vmap(torch.func.grad(loss_of_one_sample), in_dims=(None, 0))``. Each sample's
+    gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is its 2-norm over
+    all leaves together, so that every sample contributes a vector of norm at most
+    ``max_norm``; the samples are then summed. Use it with ``reduction="sum"``.
+
+    Args:
+        max_norm: The clipping bound ``C``, a positive number.
+
+    Returns:
+        A function from per-sample gradients to their clipped sum (a tree shaped like the
+        params).
+
+    Raises:
+        ValueError: ``max_norm`` is not positive.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> clip = gradaccum.clip_per_sample(1.0)
+        >>> clip({"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])})  # norms 5 and 0.5
+        {'w': tensor([0.9000, 1.2000])}
+    """
+    where = "clip_per_sample(max_norm)"
+    bound = _positive(where, "max_norm", max_norm)
+
+    def clipped_sum(grads: T) -> T:
+        leaves, spec = _tree.flatten(grads)
+        if not leaves:
+            return grads
+        rows = leaves[0].shape[0] if leaves[0].dim() else -1
+        for path, g in zip(_tree.flatten_with_paths(grads)[0], leaves):
+            if not isinstance(g, torch.Tensor) or g.dim() == 0 or g.shape[0] != rows:
+                raise ValueError(
+                    f"{where}: every gradient leaf needs the same leading sample dimension, but "
+                    f"leaf {path} is {describe(g)} and the first has {rows} rows; the step "
+                    f"function must return per-sample gradients, e.g. "
+                    f"torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))."
+                )
+        with torch.no_grad():
+            squares = sum(g.reshape(rows, -1).pow(2).sum(1) for g in leaves)
+            assert isinstance(squares, torch.Tensor)
+            factor = (bound / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+            out = [torch.einsum("b,b...->...", factor.to(g.dtype), g) for g in leaves]
+        return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+
+    return clipped_sum
+
+
+def dp_noise(
+    noise_multiplier: float,
+    max_norm: float,
+    expected_batch_size: float,
+    *,
+    seed: int = 0,
+    group: Any = None,
+    timeout: float | None = None,
+) -> CustomReduce:
+    """The DP-SGD boundary: sum over the group, add Gaussian noise once, divide by ``L``.
+
+    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``. Use it with
+    ``reduction="sum"`` and [`clip_per_sample()`][gradaccum.clip_per_sample] as the
+    ``micro_transform``, so that the window's local sums are sums of clipped per-sample
+    gradients. At the boundary they are summed exactly over the group (one ``all_reduce`` per
+    leaf), then every element gets Gaussian noise of standard deviation
+    ``noise_multiplier * max_norm``, drawn **once per window** from a CPU generator seeded with
+    ``(seed, window)``, identical on every rank, and the result is divided by
+    ``expected_batch_size`` (not by the rows actually seen, as DP-SGD with Poisson sampling
+    requires). The window index is the state, so a checkpointed run resumes with the same noise.
+
+    The result: ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``. The
+    privacy accounting (choosing ``noise_multiplier`` for an (epsilon, delta) budget from the
+    sampling rate and the number of steps) is not done here; use an accountant such as Opacus'
+    RDP accountant with the same ``noise_multiplier`` and sampling rate.
+
+    Args:
+        noise_multiplier: ``sigma``, the noise standard deviation in units of ``max_norm``.
+        max_norm: ``C``, the per-sample clipping bound used in ``clip_per_sample``.
+        expected_batch_size: ``L``, the expected number of samples per window over all ranks.
+        seed: Seeds the noise; every rank must pass the same one.
+        group: The process group; ``None`` for the default group (or one process).
+        timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
+
+    Returns:
+        A [`CustomReduce`][gradaccum.CustomReduce] whose state is the number of windows done.
+
+    Raises:
+        ValueError: A number is not positive (``noise_multiplier`` may be 0: no noise), or
+            ``seed`` is not an int.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from torch.func import grad, vmap
+        >>> def loss(params, sample):
+        ...     x, y = sample
+        ...     return (x @ params["w"] - y) ** 2
+        >>> step = gradaccum.accumulate(
+        ...     vmap(grad(loss), in_dims=(None, 0)),
+        ...     n=2,
+        ...     reduction="sum",
+        ...     micro_transform=gradaccum.clip_per_sample(1.0),
+        ...     sync=gradaccum.dp_noise(noise_multiplier=0.0, max_norm=1.0, expected_batch_size=4),
+        ... )
+        >>> params = {"w": torch.zeros(2)}
+        >>> x, y = torch.tensor([[1.0, 0.0]] * 4), torch.tensor([10.0, 10.0, 0.1, 0.1])
+        >>> step(params, (x, y))["w"]  # each sample clipped to norm 1: (1 + 1 + 0.2 + 0.2) / 4
+        tensor([-0.6000,  0.0000])
+    """
+    where = "dp_noise(noise_multiplier, max_norm, expected_batch_size, seed=...)"
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)):
+        raise ValueError(
+            f"{where}: noise_multiplier must be a number >= 0, got {describe(noise_multiplier)}."
+        )
+    if noise_multiplier < 0:
+        raise ValueError(f"{where}: noise_multiplier must be >= 0, got {noise_multiplier!r}.")
+    bound = _positive(where, "max_norm", max_norm)
+    size = _positive(where, "expected_batch_size", expected_batch_size)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(
+            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}."
+        )
+    std = float(noise_multiplier) * bound
+
+    def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:
+        leaves, spec = _tree.flatten(grads)
+        if pg is not None:
+            works = []
+            for g in leaves:
+                record("all_reduce", pg, g.dtype, g.numel(), "gradients")
+                works.append(dist.all_reduce(g, op=dist.ReduceOp.SUM, group=pg, async_op=True))
+            for w in works:
+                w.wait()
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed((seed * _MIX + int(window)) % 2**63)
+        for g in leaves:
+            if std:
+                noise = torch.randn(g.shape, generator=gen, dtype=torch.float64) * std
+                g.add_(noise.to(g.device, g.dtype))
+            g.div_(size)
+        return _tree.unflatten(spec, leaves), int(window) + 1
+
+    noisy_sum.__name__ = f"dp_noise(noise_multiplier={noise_multiplier:g}, max_norm={bound:g})"
+    return custom_reduce(noisy_sum, init=lambda _: 0, group=group, timeout=timeout)
