@@ -147,12 +147,15 @@ def dp_noise(
         tensor([-0.6000,  0.0000])
     """
     where = "dp_noise(noise_multiplier, max_norm, expected_batch_size, seed=...)"
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)):
+    if (
+        isinstance(noise_multiplier, bool)
+        or not isinstance(noise_multiplier, (int, float))
+        or not noise_multiplier >= 0
+    ):
         raise ValueError(
-            f"{where}: noise_multiplier must be a number >= 0, got {describe(noise_multiplier)}."
+            f"{where}: noise_multiplier must be a number >= 0 (0: no noise), got "
+            f"{describe(noise_multiplier)}."
         )
-    if noise_multiplier < 0:
-        raise ValueError(f"{where}: noise_multiplier must be >= 0, got {noise_multiplier!r}.")
     bound = _positive(where, "max_norm", max_norm)
     size = _positive(where, "expected_batch_size", expected_batch_size)
     if isinstance(seed, bool) or not isinstance(seed, int):

@@ -1,0 +1,219 @@
+"""DP-SGD: per-sample clipping as a micro-batch transform and one Gaussian noise draw per window.
+
+Checked against a plain loop over samples (float64), in one process and on 2 gloo processes:
+the clipping bound, the sum, the division by the expected batch size, the noise scale (std
+sigma * C / L, drawn once per window, not once per rank), identical noise on every rank, a new
+draw each window, and the same draws after resuming from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from dist import run, values
+from torch.func import grad, vmap
+
+import gradaccum
+
+F64 = torch.float64
+C = 1.0  # clipping bound
+
+
+def sample_loss(params: dict[str, torch.Tensor], sample: Any) -> torch.Tensor:
+    x, y = sample
+    return (torch.tanh(x @ params["w"]) @ params["v"] - y) ** 2
+
+
+def make(rows: int = 12, seed: int = 0) -> tuple[dict[str, torch.Tensor], Any]:
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        "w": torch.randn(3, 4, generator=g, dtype=F64),
+        "v": torch.randn(4, generator=g, dtype=F64),
+    }
+    x = torch.randn(rows, 3, generator=g, dtype=F64)
+    y = torch.randn(rows, generator=g, dtype=F64) * torch.logspace(-2, 2, rows, dtype=F64)
+    return params, (x, y)
+
+
+def reference(params: dict[str, torch.Tensor], batch: Any, size: float) -> dict[str, torch.Tensor]:
+    """Clip each sample's gradient in a Python loop, sum, divide by the expected batch size."""
+    x, y = batch
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for i in range(len(y)):
+        g = grad(sample_loss)(params, (x[i], y[i]))
+        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in g.values()))
+        factor = min(1.0, C / (norm + 1e-6))
+        for k in total:
+            total[k] += factor * g[k]
+    return {k: v / size for k, v in total.items()}
+
+
+def dp_step(n: int, sigma: float, size: float, seed: int = 0) -> Any:
+    return gradaccum.accumulate(
+        vmap(grad(sample_loss), in_dims=(None, 0)),
+        n,
+        reduction="sum",
+        micro_transform=gradaccum.clip_per_sample(C),
+        sync=gradaccum.dp_noise(sigma, C, size, seed=seed),
+    )
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_clip_per_sample_bounds_each_sample_and_sums() -> None:
+    g = torch.Generator().manual_seed(3)
+    per_sample = {
+        "a": torch.randn(6, 2, 3, generator=g, dtype=F64),
+        "b": torch.randn(6, 5, generator=g, dtype=F64),
+    }
+    scale = torch.tensor([1e-3, 0.1, 0.5, 2.0, 10.0, 1e3], dtype=F64)
+    per_sample = {k: v * scale.view(-1, *[1] * (v.dim() - 1)) for k, v in per_sample.items()}
+    got = gradaccum.clip_per_sample(C)(per_sample)
+    want = {k: torch.zeros_like(v[0]) for k, v in per_sample.items()}
+    for i in range(6):
+        norm = math.sqrt(sum(float(v[i].pow(2).sum()) for v in per_sample.values()))
+        # Each sample's clipped contribution has norm at most C, and small ones are untouched.
+        contribution = min(1.0, C / (norm + 1e-6))
+        assert norm * contribution <= C
+        if norm < C:
+            assert contribution == 1.0
+        for k in want:
+            want[k] += contribution * per_sample[k][i]
+    assert _diff(got, want) < 1e-12
+
+
+def test_clip_per_sample_errors() -> None:
+    with pytest.raises(ValueError, match=r"max_norm must be a positive number, got int 0"):
+        gradaccum.clip_per_sample(0)
+    clip = gradaccum.clip_per_sample(1.0)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] is .* and the first has 3 rows"):
+        clip({"a": torch.zeros(3, 2), "b": torch.zeros(4, 2)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"noise_multiplier": -1.0}, r"noise_multiplier must be a number >= 0"),
+        ({"max_norm": 0}, r"max_norm must be a positive number"),
+        ({"expected_batch_size": -4}, r"expected_batch_size must be a positive number"),
+        ({"seed": 1.5}, r"seed must be an int, the same on every rank"),
+    ],
+)
+def test_dp_noise_errors(kwargs: dict[str, Any], message: str) -> None:
+    args = {"noise_multiplier": 1.0, "max_norm": 1.0, "expected_batch_size": 8.0, **kwargs}
+    seed = args.pop("seed", 0)
+    with pytest.raises(ValueError, match=message):
+        gradaccum.dp_noise(**args, seed=seed)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 12])
+def test_without_noise_equals_the_clipped_loop(n: int) -> None:
+    params, batch = make()
+    got = dp_step(n, 0.0, 16.0)(params, batch)
+    assert _diff(got, reference(params, batch, 16.0)) < 1e-12
+
+
+def test_noise_scale_seed_and_windows() -> None:
+    """Zero gradients: the result is the noise alone, std sigma * C / L, a new draw per window."""
+    params = {"w": torch.zeros(200_000, dtype=F64)}
+
+    def flat(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (p["w"] * 0).sum() + x.sum() * 0
+
+    def step(seed: int) -> Any:
+        return gradaccum.accumulate(
+            vmap(grad(flat), in_dims=(None, 0)),
+            2,
+            reduction="sum",
+            micro_transform=gradaccum.clip_per_sample(C),
+            sync=gradaccum.dp_noise(2.0, C, 50.0, seed=seed),
+        )
+
+    x = torch.zeros(4, 1, dtype=F64)
+    s1, s2, other = step(7), step(7), step(8)
+    a, b = s1(params, x)["w"], s1(params, x)["w"]  # two windows of one run
+    assert abs(float(a.std()) / (2.0 * C / 50.0) - 1) < 0.01
+    assert abs(float(a.mean())) < 5 * 2.0 * C / 50.0 / math.sqrt(a.numel())
+    assert not torch.equal(a, b)  # a new draw each window
+    assert torch.equal(s2(params, x)["w"], a)  # the same seed and window: the same draw
+    assert not torch.equal(other(params, x)["w"], a)
+
+
+def test_checkpointed_accumulator_resumes_the_same_noise(tmp_path: Any) -> None:
+    params, batch = make(rows=8)
+    x, y = batch
+    per_sample = vmap(grad(sample_loss), in_dims=(None, 0))
+    clip = gradaccum.clip_per_sample(C)
+
+    def run_windows(acc: gradaccum.Accumulator, state: Any, windows: range) -> tuple[list, Any]:
+        out = []
+        for _ in windows:
+            for i in range(2):
+                mb = (x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4])
+                state = acc.add(state, clip(per_sample(params, mb)), size=4)
+            g, state = acc.finalize(state)
+            out.append(g)
+        return out, state
+
+    make_acc = lambda: gradaccum.Accumulator(  # noqa: E731
+        2, reduction="sum", sync=gradaccum.dp_noise(1.0, C, 8.0, seed=3)
+    )
+    acc = make_acc()
+    whole, _ = run_windows(acc, acc.init(params), range(3))
+    acc = make_acc()
+    first, state = run_windows(acc, acc.init(params), range(1))
+    assert state.reduce_state == 1
+    torch.save(acc.state_dict(state), tmp_path / "acc.pt")
+    acc = make_acc()
+    state = acc.load_state_dict(
+        acc.init(params), torch.load(tmp_path / "acc.pt", weights_only=True)
+    )
+    rest, _ = run_windows(acc, state, range(2))
+    for g, h in zip(whole, first + rest, strict=True):
+        assert all(torch.equal(g[k], h[k]) for k in g)
+
+
+# -- 2 processes -----------------------------------------------------------------------------------
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, Any]:
+    params, batch = make(rows=12)
+    x, y = batch
+    mine = (x[:7], y[:7]) if rank == 0 else (x[7:], y[7:])  # unequal rows
+    exact = _diff(dp_step(3, 0.0, 16.0)(params, mine), reference(params, batch, 16.0))
+    zero = {"w": torch.zeros(100_000, dtype=F64)}
+
+    def flat(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (p["w"] * 0).sum() + x.sum() * 0
+
+    step = gradaccum.accumulate(
+        vmap(grad(flat), in_dims=(None, 0)),
+        2,
+        reduction="sum",
+        micro_transform=gradaccum.clip_per_sample(C),
+        sync=gradaccum.dp_noise(1.5, C, 10.0, seed=5),
+    )
+    with gradaccum.record_collectives() as log:
+        noise = step(zero, torch.zeros(4, 1, dtype=F64))["w"]
+    return {
+        "exact": exact,
+        "noise": noise,
+        "kinds": [(c.kind, c.purpose) for c in log],
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_two_ranks_sum_exactly_and_add_the_same_noise_once() -> None:
+    r0, r1 = values(run(_two_ranks))
+    assert r0["exact"] < 1e-12, r0["exact"]
+    assert r1["exact"] < 1e-12, r1["exact"]
+    assert torch.equal(r0["noise"], r1["noise"])  # identical on every rank
+    # Added once after the sum, not once per rank: std sigma * C / L, not sqrt(2) times that.
+    assert abs(float(r0["noise"].std()) / (1.5 * C / 10.0) - 1) < 0.015
+    assert r0["kinds"] == [("all_reduce", "weight"), ("all_reduce", "gradients")]
