@@ -12,6 +12,7 @@ from ._boundary import LossScale as LossScale
 from ._boundary import LossScaleState as LossScaleState
 from ._boundary import clip_by_global_norm as clip_by_global_norm
 from ._compress import compressed_all_reduce as compressed_all_reduce
+from ._compress import powersgd as powersgd
 from ._compress import topk_all_reduce as topk_all_reduce
 from ._custom import CustomReduce as CustomReduce
 from ._custom import custom_reduce as custom_reduce
@@ -63,6 +64,7 @@ __all__ = [
     "grad",
     "grad_and_value",
     "params_of",
+    "powersgd",
     "record_collectives",
     "reduce_scatter",
     "shard",
