@@ -32,6 +32,21 @@ def _groups(leaves: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype]
     return out
 
 
+def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
+    """Sum ``tensors`` over ``pg`` in place: one ``all_reduce`` per (device, dtype), flat."""
+    if pg is None:
+        return
+    for idx in _groups(tensors).values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        record("all_reduce", pg, flat.dtype, flat.numel(), purpose)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        off = 0
+        for i in idx:
+            t = tensors[i]
+            t.copy_(flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+
+
 def compressed_all_reduce(
     dtype: torch.dtype = torch.bfloat16,
     *,
@@ -278,17 +293,6 @@ def powersgd(
             )
         return {"error": zeros, "q": q}
 
-    def all_reduce(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
-        if pg is None or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        record("all_reduce", pg, flat.dtype, flat.numel(), purpose)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
-        off = 0
-        for t in tensors:
-            t.copy_(flat[off : off + t.numel()].view_as(t))
-            off += t.numel()
-
     def low_rank_sum(grads: Any, state: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         errs = _tree.flatten(state["error"])[0]
@@ -302,10 +306,8 @@ def powersgd(
             m = g.reshape(g.shape[0], -1)
             mats.append(i)
             ps.append(m @ qs[i])
-        for group_of in {t.dtype for t in dense}:  # one all-reduce per dtype
-            all_reduce([t for t in dense if t.dtype == group_of], pg, "gradients")
-        for group_of in {p.dtype for p in ps}:
-            all_reduce([p for p in ps if p.dtype == group_of], pg, "gradients (P)")
+        sum_flat(dense, pg, "gradients")
+        sum_flat(ps, pg, "gradients (P)")
         new_q = []
         for i, p in zip(mats, ps):
             p = torch.linalg.qr(p).Q
@@ -313,8 +315,7 @@ def powersgd(
             mine_q = m.T @ p
             errs[i].copy_((m - p @ mine_q.T).view_as(errs[i]))  # what this rank's share misses
             new_q.append((i, p, mine_q))
-        for group_of in {q.dtype for _, _, q in new_q}:
-            all_reduce([q for _, _, q in new_q if q.dtype == group_of], pg, "gradients (Q)")
+        sum_flat([q for _, _, q in new_q], pg, "gradients (Q)")
         for i, p, q in new_q:
             leaves[i].copy_((p @ q.T).view_as(leaves[i]))
             qs[i] = q.clone()

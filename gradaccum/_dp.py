@@ -15,12 +15,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from . import _tree
+from ._compress import sum_flat
 from ._custom import CustomReduce, custom_reduce
 from ._errors import describe
-from ._record import record
 
 __all__ = ["clip_per_sample", "dp_noise"]
 
@@ -101,8 +100,8 @@ def dp_noise(
     A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``. Use it with
     ``reduction="sum"`` and [`clip_per_sample()`][gradaccum.clip_per_sample] as the
     ``micro_transform``, so that the window's local sums are sums of clipped per-sample
-    gradients. At the boundary they are summed exactly over the group (one ``all_reduce`` per
-    leaf), then every element gets Gaussian noise of standard deviation
+    gradients. At the boundary they are summed exactly over the group (one flat ``all_reduce``
+    per dtype), then every element gets Gaussian noise of standard deviation
     ``noise_multiplier * max_norm``, drawn **once per window** from a CPU generator seeded with
     ``(seed, window)``, identical on every rank, and the result is divided by
     ``expected_batch_size`` (not by the rows actually seen, as DP-SGD with Poisson sampling
@@ -166,13 +165,7 @@ def dp_noise(
 
     def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
-        if pg is not None:
-            works = []
-            for g in leaves:
-                record("all_reduce", pg, g.dtype, g.numel(), "gradients")
-                works.append(dist.all_reduce(g, op=dist.ReduceOp.SUM, group=pg, async_op=True))
-            for w in works:
-                w.wait()
+        sum_flat(leaves, pg, "gradients")  # exact: one flat all-reduce per dtype
         gen = torch.Generator(device="cpu")
         gen.manual_seed((seed * _MIX + int(window)) % 2**63)
         for g in leaves:
