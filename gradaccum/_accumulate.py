@@ -255,7 +255,13 @@ def accumulate(
                         grads = micro_transform(grads)
                     raw, items, alpha, weight = _state.weigh(call, reduction, count, rows, aux)
                     win.state = _state.add_grads(
-                        call, win.state, grads, alpha, weight, sync, reduction
+                        call if micro_transform is None else f"{call} after micro_transform",
+                        win.state,
+                        grads,
+                        alpha,
+                        weight,
+                        sync,
+                        reduction,
                     )
                     if aux_acc is not None:
                         aux_acc.add(aux, rows, items, raw)

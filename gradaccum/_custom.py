@@ -74,7 +74,7 @@ class CustomReduce:
         self._state[0] = state
 
     def _group(self, where: str) -> tuple[Any, int, int]:
-        return AllReduce(self.group, timeout=self.timeout)._group(where)
+        return AllReduce(self.group, timeout=self.timeout)._group(where, f"sync={self.name}")
 
     def _sum_weight(
         self, where: str, lay: Any, group: Any, rank: int, weight: Any, failed: bool

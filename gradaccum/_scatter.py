@@ -116,7 +116,7 @@ class ReduceScatter:
             raise ValueError(
                 f"{where}: mixed accumulation dtypes within a shard are not supported."
             )
-        pg, rank, world = self._comm._group(where)
+        pg, rank, world = self._comm._group(where, "sync=reduce_scatter(...)")
         key = (lay, reduction)
         if verify and (
             self.check == "always" or (self.check == "first" and key not in self._verified)

@@ -130,10 +130,10 @@ class AllReduce:
             self._verified.add(lay)
         return _Boundary(self, where, reduction, plan, sums, group, rank, world)
 
-    def _group(self, where: str) -> tuple[Any, int, int]:
+    def _group(self, where: str, what: str = "sync=all_reduce()") -> tuple[Any, int, int]:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                f"{where}: sync=all_reduce() needs torch.distributed initialised, but no process "
+                f"{where}: {what} needs torch.distributed initialised, but no process "
                 f"group exists; call torch.distributed.init_process_group(...) first (torchrun "
                 f"sets the environment for it), or drop sync= to train in one process."
             )

@@ -10,6 +10,7 @@ waits at most ``timeout`` seconds, then kills what is left.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import socket
@@ -53,13 +54,27 @@ def _child(
         result: tuple[Any, ...] = ("ok", fn(rank, world, *args))
     except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
         result = ("err", type(err).__name__, str(err), traceback.format_exc())
-    out.put((rank, result))
+    # As bytes: tensors sent through the queue itself are shared by file descriptor, which the
+    # parent can no longer fetch once this process has exited.
+    buf = io.BytesIO()
+    try:
+        torch.save(result, buf)
+    except Exception as err:  # noqa: BLE001 - an unpicklable result is reported, not lost
+        buf = io.BytesIO()
+        torch.save(("err", type(err).__name__, f"unpicklable result: {err}", ""), buf)
+    out.put((rank, buf.getvalue()))
     out.close()
     out.join_thread()  # flushed before teardown, which gloo rarely aborts at interpreter exit
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001, S110 - a broken group (killed peer) may refuse
         pass
+
+
+def _load(payload: bytes) -> tuple[Any, ...]:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)  # type: ignore[no-any-return]
 
 
 def run(
@@ -91,8 +106,8 @@ def run(
             if left <= 0:
                 break
             try:
-                rank, result = out.get(timeout=min(left, 0.5))
-                results[rank] = result
+                rank, payload = out.get(timeout=min(left, 0.5))
+                results[rank] = _load(payload)
             except queue.Empty:
                 if all(not p.is_alive() for p in procs) and out.empty():
                     break
