@@ -159,7 +159,7 @@ def main() -> int:
         status = 1
     if reference is not None:
         diff = max(
-            float((a - b).abs().max())
+            float((a - b).detach().abs().max())
             for a, b in zip(model.parameters(), reference.parameters(), strict=True)
         )
         ok = diff <= 1e-9

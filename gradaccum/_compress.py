@@ -87,7 +87,7 @@ def compressed_all_reduce(
         >>> grads["w"]  # 1.001 is not a bfloat16 number: it comes back rounded
         tensor([1., 2., 1.])
         >>> [(c.kind, c.dtype, c.nbytes, c.purpose) for c in log]  # doctest: +NORMALIZE_WHITESPACE
-        [('all_reduce', torch.float64, 16, 'weight'),
+        [('all_reduce', torch.float64, 32, 'weight'),
          ('all_reduce', torch.bfloat16, 6, 'gradients')]
         >>> dist.destroy_process_group()
     """

@@ -1,7 +1,8 @@
 """Custom boundary reductions: the user's function decides how gradients cross the group.
 
 At the boundary gradaccum first sums the window's weight and failure flag over the group (one
-16-byte ``all_reduce``), so that every rank knows the global rows or counts and whether another
+32-byte ``all_reduce``, which also checks that the ranks agree on the gradient tree), so that
+every rank knows the global rows or counts and whether another
 rank failed. Then it divides this rank's running sums by the global weight, which makes them
 this rank's *share*: the shares of all ranks add up to the exact window gradient. The reduction
 function gets the shares, the process group and its state, and returns the (exact or estimated)
@@ -11,6 +12,7 @@ sum over the group and its new state.
 from __future__ import annotations
 
 import datetime
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _reduce, _tree
+from ._buckets import make_plan
 from ._errors import GradAccumError, describe
 from ._record import record
 from ._sync import AllReduce
@@ -77,17 +80,32 @@ class CustomReduce:
         return AllReduce(self.group, timeout=self.timeout)._group(where, f"sync={self.name}")
 
     def _sum_weight(
-        self, where: str, lay: Any, group: Any, rank: int, weight: Any, failed: bool
-    ) -> tuple[float, float]:
-        """All-reduce ``[weight, failed]`` (float64): the global weight and failed ranks."""
+        self,
+        where: str,
+        lay: Any,
+        reduction: str,
+        group: Any,
+        rank: int,
+        weight: Any,
+        failed: bool,
+    ) -> tuple[float, float, bool]:
+        """All-reduce ``[weight, failed, h, h**2]`` (float64, 32 bytes).
+
+        Returns the global weight, the number of failed ranks, and whether every rank has the
+        same 20-bit hash ``h`` of its gradient tree, reduction and reduction function: the sums
+        of ``h`` and ``h**2`` are exact in float64, and ``world * sum(h**2) == sum(h)**2`` only
+        when all the ``h`` are equal.
+        """
         device = lay.devices[0] if lay is not None and lay.devices else torch.device("cpu")
-        tail = torch.zeros(2, dtype=torch.float64, device=device)
+        tail = torch.zeros(4, dtype=torch.float64, device=device)
         if isinstance(weight, torch.Tensor):
             tail[:1].copy_(weight.reshape(1))
         else:
             tail[0] = weight
         tail[1] = 1.0 if failed else 0.0
-        record("all_reduce", group, torch.float64, 2, "weight")
+        h = self._hash(lay, reduction) if lay is not None else 0
+        tail[2], tail[3] = float(h), float(h * h)
+        record("all_reduce", group, torch.float64, 4, "weight")
         try:
             work = dist.all_reduce(tail, op=dist.ReduceOp.SUM, group=group, async_op=True)
             if self.timeout is None:
@@ -97,8 +115,14 @@ class CustomReduce:
         except RuntimeError as err:
             comm = AllReduce(self.group, timeout=self.timeout)
             raise comm._broken(where, "the weight all_reduce", rank, err) from err
-        total, n_failed = tail.tolist()
-        return total, n_failed
+        total, n_failed, sum_h, sum_h2 = tail.tolist()
+        world = dist.get_world_size(group)
+        return total, n_failed, world * sum_h2 == sum_h * sum_h
+
+    def _hash(self, lay: Any, reduction: str) -> int:
+        desc = (*make_plan(lay, 1).description, f"reduction={reduction!r}", self.name)
+        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % 2**20 + 1
 
     def _finish(
         self,
@@ -118,10 +142,12 @@ class CustomReduce:
         if self.group is None and not (dist.is_available() and dist.is_initialized()):
             group: Any = None  # one process: nobody to talk to
             rank, world = 0, 1
-            total, n_failed = float(weight), 0.0
+            total, n_failed, agree = float(weight), 0.0, True
         else:
             group, rank, world = self._group(where)
-            total, n_failed = self._sum_weight(where, lay, group, rank, weight, failed)
+            total, n_failed, agree = self._sum_weight(
+                where, lay, reduction, group, rank, weight, failed
+            )
         if failed or lay is None:
             return [], reduce_state
         if n_failed:
@@ -129,6 +155,13 @@ class CustomReduce:
                 f"{where}: {int(n_failed)} other rank(s) of the {world} in the group raised an "
                 f"error during this window (rank {rank} did not); no gradient is returned on any "
                 f"rank. The cause is in the failing rank's traceback."
+            )
+        if not agree:
+            raise GradAccumError(
+                f"{where}: the ranks disagree on the gradients to reduce with {self.name} (their "
+                f"params' key paths, shapes or dtypes, the reduction, or the reduction function "
+                f"differ); nothing was reduced. Every rank must pass params of the same tree and "
+                f"the same reduction; gradaccum.all_reduce() names the difference."
             )
         if reduction != "sum" and total <= 0:
             raise ValueError(
@@ -178,7 +211,8 @@ def custom_reduce(
 
     Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
     [`Accumulator`][gradaccum.Accumulator]. At the boundary gradaccum sums the window's weight
-    (rows or counts) and a failure flag over the group in one 16-byte ``all_reduce``, divides
+    (rows or counts), a failure flag and a hash of the gradient tree over the group in one
+    32-byte ``all_reduce``, divides
     this rank's running sums by the global weight, and calls
 
     ``fn(grads, state, group) -> (summed_grads, new_state)``

@@ -171,3 +171,50 @@ def test_fsdp(
     assert "bit-identical to the uninterrupted run: True" in stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
     assert max_difference(stdout) <= tol
+
+
+@pytest.mark.parametrize(
+    ("reduce", "args", "per_step"),
+    [
+        # 19,204 float32 parameters: 2 bytes each in bfloat16, plus the 32-byte weight.
+        ("bf16", (), ["all_reduce (gradients, bfloat16): 38,408"]),
+        # k = ceil(0.1 * 19,204) = 1,921 per rank, all-gathered from 2 ranks (23 and 22 rows).
+        (
+            "topk",
+            ("--ratio", "0.1", "-n", "3", "--batch", "45"),
+            [
+                "all_gather (gradients (top-k values), float32): 15,368",
+                "all_gather (gradients (top-k indices), int64): 30,736",
+            ],
+        ),
+    ],
+    ids=["bf16", "topk-unequal"],
+)
+def test_compression(reduce: str, args: tuple[str, ...], per_step: list[str]) -> None:
+    pytest.importorskip("tqdm", reason="examples/compression.py needs the [examples] extra")
+    common = ("--reduce", reduce, "--check", "--steps", "30", "--device", "cpu")
+    stdout = run_torchrun("compression.py", *common, *args)
+    assert "2 rank(s), gloo on cpu; 30 steps" in stdout
+    if "--batch" in args:
+        assert "global batch 45 rows = [23, 22] per rank" in stdout
+    collectives = re.search(r"^bytes per optimizer step \(.*$", stdout, re.M)
+    assert collectives, stdout
+    for part in [*per_step, "all_reduce (weight, float64): 32"]:
+        assert part in collectives.group(0)
+    assert "exact all_reduce's 76,824" in stdout  # 4 * 19,204 + the 8-byte tail
+    assert "parameters bit-identical on every rank: True" in stdout
+    assert re.search(r"^loss vs exact: \S+ \(tolerance \S+\) OK$", stdout, re.M), stdout
+    assert stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_dp_sgd(ranks: int) -> None:
+    pytest.importorskip("tqdm", reason="examples/dp_sgd.py needs the [examples] extra")
+    args = ("--check", "-n", "3", "--steps", "15")
+    stdout = run_example("dp_sgd.py", *args) if ranks == 1 else run_torchrun("dp_sgd.py", *args)
+    assert f"{ranks} rank(s), 15 steps, n=3" in stdout
+    assert "the same params on every rank: True" in stdout
+    assert "all_reduce', 'weight', 32" in stdout
+    diff = re.search(r"max parameter difference vs the plain loop: (\S+) OK", stdout)
+    assert diff, stdout
+    assert float(diff.group(1)) <= 1e-9

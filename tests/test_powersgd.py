@@ -72,7 +72,7 @@ def test_returned_plus_error_buffers_equal_the_exact_sums() -> None:
     assert float(r0["errors"]["bias"].abs().max()) == 0.0
     # Compressed: "big" 16 x 12 and "conv" 8 x 12, rank 2: P has 2 (16 + 8), Q 2 (12 + 12).
     assert r0["logs"][1] == [
-        ("all_reduce", "weight", 2),
+        ("all_reduce", "weight", 4),
         ("all_reduce", "gradients", 12),
         ("all_reduce", "gradients (P)", 2 * (16 + 8)),
         ("all_reduce", "gradients (Q)", 2 * (12 + 12)),

@@ -1,7 +1,8 @@
 """Custom boundary reductions (custom_reduce, compressed_all_reduce, topk_all_reduce) and
 accumulate(micro_transform=) on 2 gloo processes (127.0.0.1) and in one process.
 
-The protocol: at the boundary one 16-byte ``all_reduce`` of [weight, failed], then this rank's
+The protocol: at the boundary one 32-byte ``all_reduce`` of [weight, failed, h, h**2], then
+this rank's
 *share* (its sums divided by the global weight; the shares of all ranks add up to the exact
 window gradient) goes to the user's ``fn(shares, state, group)``. An exact all-reduce must
 therefore give the whole-batch gradient, whatever the reduction, the split of the rows over
@@ -53,7 +54,7 @@ EMPTY = (12, 0)
 ROWS = sum(SPLIT)
 NUMEL = 5 * 7 + 7 + 7 + 1  # elements of mlp_params()
 TOL = 1e-12
-WEIGHT = ("all_reduce", "float64", 2, 16, "weight")
+WEIGHT = ("all_reduce", "float64", 4, 32, "weight")
 
 # -- helpers (run in the children) ---------------------------------------------------------------
 
@@ -204,7 +205,7 @@ def test_exact_custom_reduce_equals_the_whole_batch_and_gets_the_shares() -> Non
         bad = {k: v for k, v in out["diffs"].items() if not v < TOL}
         assert not bad, (rank, bad)
         # fn is called exactly once per window, with state None (no init), the default group,
-        # after exactly one collective: the 16-byte [weight, failed] all-reduce.
+        # after exactly one collective: the 32-byte [weight, failed, h, h**2] all-reduce.
         assert set(out["calls"].values()) == {1}, out["calls"]
         for key, seen in out["seen"].items():
             assert seen == (None, True, [WEIGHT]), (rank, key, seen)
@@ -644,7 +645,7 @@ def test_compressed_all_reduce_is_close_and_sends_half_the_bytes(
         assert log0[0] == WEIGHT, (key, log0)
         assert len(wire) == len(log0) - 1, (key, log0)
         assert all(c[0] == "all_reduce" and c[1] == dtype for c in wire), (key, log0)
-        assert sum(c[3] for c in log0) == NUMEL * 2 + 16, (key, log0)
+        assert sum(c[3] for c in log0) == NUMEL * 2 + 32, (key, log0)
         assert sum(c[2] for c in wire) == NUMEL, (key, log0)
         # A tiny bucket_mb: one all_reduce per leaf (4); the default: one for all.
         assert len(wire) == (4 if mb == "mb=1e-06" else 1), (key, log0)
@@ -698,7 +699,7 @@ def test_topk_returned_plus_error_buffers_equal_the_exact_sums(
                 ("all_gather", "float64", 2 * k, 2 * k * 8, "gradients (top-k values)"),
                 ("all_gather", "int64", 2 * k, 2 * k * 8, "gradients (top-k indices)"),
             ], (ratio, log)
-            assert sum(c[3] for c in log) - 16 == 2 * k * (8 + 8)
+            assert sum(c[3] for c in log) - 32 == 2 * k * (8 + 8)
     a, b = r0["law mixed"], r1["law mixed"]
     assert _same(a["returned"], b["returned"])
     assert a["errors"]["b"].dtype == torch.float32
@@ -941,7 +942,7 @@ def test_errors_and_exactness_in_a_world_of_one() -> None:
         with gradaccum.record_collectives() as log:
             g = gradaccum.accumulate(fn, 3, sync=gradaccum.custom_reduce(exact))(params, batch)
         assert max_diff(g, ref) < TOL
-        assert _log(log) == [("all_reduce", "float64", 2, 16, "weight")]
+        assert _log(log) == [("all_reduce", "float64", 4, 32, "weight")]
     assert groups == [dist.group.WORLD] * 2
     # The built-ins are exact in a world of one (bf16 up to rounding).
     g = gradaccum.accumulate(grad(mean_loss), 3, sync=gradaccum.topk_all_reduce(1.0))(params, batch)
@@ -984,3 +985,21 @@ def test_without_torch_distributed() -> None:
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
         acc.finalize(state)
     assert groups == [None]  # fn never ran
+
+
+def _disagreeing_trees(rank: int, world: int) -> str:
+    """Same number of elements, different key paths: the tree hash in the weight tail differs."""
+    sync = gradaccum.custom_reduce(lambda g, s, pg: (g, s))
+    params = {"a": torch.zeros(4)} if rank == 0 else {"b": torch.zeros(4)}
+    step = gradaccum.accumulate(lambda p, x: {k: x.mean(0) for k in p}, 1, sync=sync)
+    try:
+        step(params, torch.ones(2, 4))
+    except gradaccum.GradAccumError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_trees_raise_instead_of_adding_unrelated_elements() -> None:
+    for message in values(run(_disagreeing_trees)):
+        assert "the ranks disagree on the gradients to reduce with <lambda>" in message, message
