@@ -108,7 +108,9 @@ class Accumulator:
             (it contributes zero weight). Or [`reduce_scatter()`][gradaccum.reduce_scatter]
             for sharded params: ``finalize`` then returns this rank's gradient shards, and
             under its ``every`` policy ``add`` reduce-scatters each micro-batch (every rank
-            must then call ``add`` at most ``n`` times per window).
+            must then call ``add`` at most ``n`` times per window). Or a
+            [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in compressed one):
+            its state between windows travels in ``AccumState.reduce_state``.
 
     Examples:
         >>> import torch, gradaccum

@@ -187,8 +187,18 @@ def test_fsdp(
                 "all_gather (gradients (top-k indices), int64): 30,736",
             ],
         ),
+        # Rank 4: P and Q factors of the two weight matrices, biases and the last layer exact.
+        (
+            "powersgd",
+            (),
+            [
+                "all_reduce (gradients (P), float32): 4,096",
+                "all_reduce (gradients (Q), float32): 2,304",
+                "all_reduce (gradients, float32): 3,088",
+            ],
+        ),
     ],
-    ids=["bf16", "topk-unequal"],
+    ids=["bf16", "topk-unequal", "powersgd"],
 )
 def test_compression(reduce: str, args: tuple[str, ...], per_step: list[str]) -> None:
     pytest.importorskip("tqdm", reason="examples/compression.py needs the [examples] extra")
