@@ -318,7 +318,9 @@ def powersgd(
         sum_flat([q for _, _, q in new_q], pg, "gradients (Q)")
         for i, p, q in new_q:
             leaves[i].copy_((p @ q.T).view_as(leaves[i]))
-            qs[i] = q.clone()
+            # Warm start; a window with a zero gradient keeps the previous Q (a zero Q would
+            # make the next P zero). q is the same on every rank, so is the choice.
+            qs[i] = torch.where(q.abs().amax() > 0, q, qs[i])
         for i in range(len(leaves)):
             if qs[i] is None:
                 errs[i].zero_()

@@ -61,6 +61,7 @@ class CustomReduce:
     name: str = "custom_reduce"
     _state: list[Any] = field(default_factory=lambda: [None], init=False, repr=False)
     _last: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+    _hashes: dict[Any, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def state(self) -> Any:
@@ -120,9 +121,13 @@ class CustomReduce:
         return total, n_failed, world * sum_h2 == sum_h * sum_h
 
     def _hash(self, lay: Any, reduction: str) -> int:
-        desc = (*make_plan(lay, 1).description, f"reduction={reduction!r}", self.name)
-        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") % 2**20 + 1
+        """A 20-bit hash of the gradient tree, reduction and function (cached per layout)."""
+        h = self._hashes.get((lay, reduction))
+        if h is None:
+            desc = (*make_plan(lay, 1).description, f"reduction={reduction!r}", self.name)
+            digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
+            h = self._hashes[(lay, reduction)] = int.from_bytes(digest, "little") % 2**20 + 1
+        return h
 
     def _finish(
         self,

@@ -93,3 +93,13 @@ def test_low_rank_matrices_come_back_exactly() -> None:
 def test_rank_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"rank must be a positive int, got int 0"):
         gradaccum.powersgd(rank=0)
+
+
+def test_a_zero_window_keeps_the_warm_start() -> None:
+    """A window whose gradient is zero must not zero Q (the next window would get P = 0)."""
+    sync = gradaccum.powersgd(rank=1)
+    step = gradaccum.accumulate(_given, 1, reduction="sum", sync=sync)
+    params = {"m": torch.zeros(4, 4, dtype=F64)}
+    step(params, _as_batch({"m": torch.zeros(4, 4, dtype=F64)}))
+    got = step(params, _as_batch({"m": torch.ones(4, 4, dtype=F64)}))
+    assert float((got["m"] - 1).abs().max()) < 1e-12
