@@ -109,3 +109,30 @@ def max_diff(a: object, b: object) -> float:
     lb, sb = optree.tree_flatten(b)
     assert sa == sb, (sa, sb)
     return max(float((x - y).abs().max()) for x, y in zip(la, lb, strict=True))
+
+
+def accumulated_steps(n: int, sync: Any, fast: bool) -> dict[str, Any]:
+    """Accumulated mean, sum and count steps (count through a token loss), returning grads.
+
+    ``fast``: gradaccum.grad step functions (the fast path); otherwise torch.func.grad.
+    """
+    from torch.func import grad
+
+    import gradaccum
+
+    if fast:
+        mean = gradaccum.accumulate(gradaccum.grad(mean_loss), n, sync=sync)
+        total = gradaccum.accumulate(gradaccum.grad(sum_loss), n, reduction="sum", sync=sync)
+        count = gradaccum.accumulate(
+            gradaccum.grad(token_sum_loss, has_aux=True),
+            n,
+            has_aux=True,
+            reduction="count",
+            count=lambda aux: aux,
+            sync=sync,
+        )
+    else:
+        mean = gradaccum.accumulate(grad(mean_loss), n, sync=sync)
+        total = gradaccum.accumulate(grad(sum_loss), n, reduction="sum", sync=sync)
+        count = token_count_step(n, sync=sync)
+    return {"mean": mean, "sum": total, "count": lambda p, b: count(p, b)[0]}

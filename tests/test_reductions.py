@@ -16,22 +16,22 @@ seconds); the ranks send back numbers and tensors and the assertions run here.
 
 from __future__ import annotations
 
-import datetime
 import io
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import pytest
 import torch
 import torch.distributed as dist
-from dist import free_port, run, values
+from dist import run, values
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import (
     F64,
+    accumulated_steps,
     max_diff,
     mean_loss,
     mlp_params,
@@ -39,7 +39,6 @@ from models import (
     regression_batch,
     sum_loss,
     token_batch,
-    token_count_step,
     token_mean_loss,
     token_sum_loss,
 )
@@ -114,26 +113,6 @@ def _pieces(batch: Any, k: int) -> list[Any]:
     return out
 
 
-def _steps(n: int, sync: Any, fast: bool) -> dict[str, Callable[[Any, Any], Any]]:
-    """Accumulated mean, sum and count steps (count through a token loss), returning grads."""
-    if fast:
-        mean = gradaccum.accumulate(gradaccum.grad(mean_loss), n, sync=sync)
-        total = gradaccum.accumulate(gradaccum.grad(sum_loss), n, reduction="sum", sync=sync)
-        count = gradaccum.accumulate(
-            gradaccum.grad(token_sum_loss, has_aux=True),
-            n,
-            has_aux=True,
-            reduction="count",
-            count=lambda aux: aux,
-            sync=sync,
-        )
-    else:
-        mean = gradaccum.accumulate(grad(mean_loss), n, sync=sync)
-        total = gradaccum.accumulate(grad(sum_loss), n, reduction="sum", sync=sync)
-        count = token_count_step(n, sync=sync)
-    return {"mean": mean, "sum": total, "count": lambda p, b: count(p, b)[0]}
-
-
 # -- 1. an exact custom reduction equals the whole batch ----------------------------------------
 
 
@@ -160,7 +139,7 @@ def _exact(rank: int, world: int) -> bytes:
     for split, what in ((SPLIT, "7/5"), (EMPTY, "rank 1 empty")):
         for fast in (True, False):
             for n in (1, 3):
-                for red, step in _steps(n, sync, fast).items():
+                for red, step in accumulated_steps(n, sync, fast).items():
                     key = f"{red} {what} fast={fast} n={n}"
                     current["calls"] = 0
                     with gradaccum.record_collectives() as log:
@@ -891,23 +870,6 @@ def test_micro_transform_in_one_process_names_the_wrong_leaf() -> None:
 
 
 # -- 7. one process ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A gloo process group of one rank on 127.0.0.1, destroyed afterwards."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("world_of_one")

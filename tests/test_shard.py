@@ -12,28 +12,26 @@ send back numbers and the assertions run here.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist import free_port, run, values
+from dist import run, values
 from models import (
     F64,
+    accumulated_steps,
     max_diff,
     mean_loss,
     mlp_params,
     regression_batch,
     sum_loss,
     token_batch,
-    token_count_step,
     token_mean_loss,
-    token_sum_loss,
 )
 from test_distributed import _reversed_dict, _shard
 from torch.func import grad
@@ -67,26 +65,6 @@ def _assemble(out: gradaccum.Sharded, grads: Any) -> Any:
     return out.gather()
 
 
-def _steps(n: int, sync: Any, fast: bool) -> dict[str, Callable[[Any, Any], Any]]:
-    """Accumulated mean, sum and count steps (count through a token loss), returning grads."""
-    if fast:
-        mean = gradaccum.accumulate(gradaccum.grad(mean_loss), n, sync=sync)
-        total = gradaccum.accumulate(gradaccum.grad(sum_loss), n, reduction="sum", sync=sync)
-        count = gradaccum.accumulate(
-            gradaccum.grad(token_sum_loss, has_aux=True),
-            n,
-            has_aux=True,
-            reduction="count",
-            count=lambda aux: aux,
-            sync=sync,
-        )
-    else:
-        mean = gradaccum.accumulate(grad(mean_loss), n, sync=sync)
-        total = gradaccum.accumulate(grad(sum_loss), n, reduction="sum", sync=sync)
-        count = token_count_step(n, sync=sync)
-    return {"mean": mean, "sum": total, "count": lambda p, b: count(p, b)[0]}
-
-
 # -- 1. equivalence with one process on the global batch --------------------------------------
 
 
@@ -110,7 +88,7 @@ def _equivalence(rank: int, world: int) -> dict[str, float]:
                 sync = gradaccum.reduce_scatter(sp, policy=policy, gather=gather)
                 for fast in (True, False):
                     for n in (1, 3, 4):
-                        steps = _steps(n, sync, fast)
+                        steps = accumulated_steps(n, sync, fast)
                         for red, step in steps.items():
                             key = f"{red} {policy} gather={gather} fast={fast} n={n} mb={mb}"
                             g = step(sp, _shard(batches[red], rank, SPLIT))
@@ -135,7 +113,7 @@ def _equivalence(rank: int, world: int) -> dict[str, float]:
             for gather in ("window", "micro_batch"):
                 sync = gradaccum.reduce_scatter(sp, policy=policy, gather=gather)
                 for fast in (True, False):
-                    for red, step in _steps(4, sync, fast).items():
+                    for red, step in accumulated_steps(4, sync, fast).items():
                         key = f"{red} {what} {policy} gather={gather} fast={fast}"
                         g = step(sp, _shard(batches[red], rank, split))
                         diffs[key] = max_diff(_assemble(out, g), ref[red])
@@ -809,23 +787,6 @@ def test_clip_and_loss_scale_over_the_group_use_the_whole_gradient() -> None:
 
 
 # -- 8. errors in one process --------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A gloo process group of one rank on 127.0.0.1, destroyed afterwards."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_shard_needs_an_initialised_process_group() -> None:

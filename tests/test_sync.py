@@ -3,17 +3,12 @@ boundary transforms and their errors. The 2-rank behaviour is in test_distribute
 
 from __future__ import annotations
 
-import datetime
 import io
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import optree
 import pytest
 import torch
-import torch.distributed as dist
-from dist import free_port
 from models import (
     F64,
     max_diff,
@@ -28,24 +23,6 @@ from test_errors import raises
 from torch.func import grad
 
 import gradaccum
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A gloo process group of one rank on 127.0.0.1, destroyed afterwards."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 # -- plans (dry runs, no process group) --------------------------------------------------------
 
