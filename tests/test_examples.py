@@ -178,6 +178,7 @@ def test_fsdp(
     [
         # 19,204 float32 parameters: 2 bytes each in bfloat16, plus the 32-byte weight.
         ("bf16", (), ["all_reduce (gradients, bfloat16): 38,408"]),
+        ("fp16", (), ["all_reduce (gradients, float16): 38,408"]),
         # k = ceil(0.1 * 19,204) = 1,921 per rank, all-gathered from 2 ranks (23 and 22 rows).
         (
             "topk",
@@ -198,7 +199,7 @@ def test_fsdp(
             ],
         ),
     ],
-    ids=["bf16", "topk-unequal", "powersgd"],
+    ids=["bf16", "fp16", "topk-unequal", "powersgd"],
 )
 def test_compression(reduce: str, args: tuple[str, ...], per_step: list[str]) -> None:
     pytest.importorskip("tqdm", reason="examples/compression.py needs the [examples] extra")
