@@ -42,3 +42,33 @@ def describe(value: Any) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``'float32'``."""
     return str(dtype).removeprefix("torch.")
+
+
+# Process groups on which one of gradaccum's collectives failed or timed out. Such a group cannot
+# be reused (the messages say so), so the error path does not try to join the window's boundary
+# on it: that would only wait for more timeouts. Strong references: a group is only added once,
+# when it breaks, and the user then destroys it and builds a new one.
+_BROKEN_GROUPS: list[Any] = []
+
+
+def mark_broken(group: Any) -> None:
+    """Record that a collective on ``group`` (None: the default group) failed."""
+    group = _resolve(group)
+    if group is not None and not any(g is group for g in _BROKEN_GROUPS):
+        _BROKEN_GROUPS.append(group)
+
+
+def is_broken(group: Any) -> bool:
+    """Whether a collective on ``group`` (None: the default group) has failed."""
+    group = _resolve(group)
+    return group is not None and any(g is group for g in _BROKEN_GROUPS)
+
+
+def _resolve(group: Any) -> Any:
+    if group is not None:
+        return group
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.group.WORLD

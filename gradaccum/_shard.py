@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _tree
 from ._buckets import Bucket, Plan, cut_runs, leaf_order
-from ._errors import GradAccumError, describe, dtype_name
+from ._errors import GradAccumError, describe, dtype_name, mark_broken
 from ._record import record
 
 __all__ = ["Sharded", "shard"]
@@ -208,20 +208,28 @@ class Sharded:
         Raises:
             GradAccumError: A collective failed.
         """
-        where = "Sharded.gather()"
+        return self._gather("Sharded.gather()", timeout)
+
+    def _gather(self, where: str, timeout: float | None) -> Any:
+        """[`gather`][gradaccum.Sharded.gather], with failures named after ``where``."""
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         works = []
         with torch.no_grad():
-            for b in plan.buckets:
+            for k, b in enumerate(plan.buckets):
                 full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
                 record("all_gather", self.group, b.dtype, b.padded, "params")
-                works.append(_all_gather(where, full, mine, self.group))
+                try:
+                    works.append(_all_gather(full, mine, self.group))
+                except RuntimeError as err:
+                    raise _broken(
+                        where, "all_gather", k, plan, self.rank, timeout, err, self.group
+                    ) from err
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
-            for w in works:
-                _wait(where, w, timeout)
+            for k, w in enumerate(works):
+                _wait(where, "all_gather", k, plan, self.rank, w, timeout, self.group)
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -468,14 +476,15 @@ def shard(
         for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
     )
     with torch.no_grad():
-        for b in plan.buckets:
+        for k, b in enumerate(plan.buckets):
             full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
             for i, off in zip(b.members, b.offsets):
                 full[off : off + lay.shapes[i].numel()].copy_(leaves[i].reshape(-1))
             if src is not None and world > 1:
                 global_src = dist.get_global_rank(pg, src) if pg is not dist.group.WORLD else src
                 record("broadcast", pg, b.dtype, b.padded, "params")
-                _wait(where, dist.broadcast(full, global_src, group=pg, async_op=True))
+                work = dist.broadcast(full, global_src, group=pg, async_op=True)
+                _wait(where, "broadcast", k, plan, rank, work, None, pg)
             shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
@@ -490,23 +499,48 @@ def wire_plan(plan: ShardPlan, extra: tuple[str, ...] = ()) -> Plan:
     return Plan(buckets, (), (), (), (*plan.description, *extra))
 
 
-def _all_gather(where: str, out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    try:
-        return fn(out, inp, group=group, async_op=True)
-    except RuntimeError as err:
-        raise GradAccumError(f"{where}: the all-gather of a params bucket failed: {err}") from err
+    return fn(out, inp, group=group, async_op=True)
 
 
-def _wait(where: str, work: Any, timeout: float | None = None) -> None:
+def _wait(
+    where: str,
+    kind: str,
+    k: int,
+    plan: ShardPlan,
+    rank: int,
+    work: Any,
+    timeout: float | None,
+    group: Any,
+) -> None:
+    """Wait for the ``kind`` collective of params bucket ``k``; a failure names the bucket."""
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as err:
-        raise GradAccumError(
-            f"{where}: a collective failed: {str(err).splitlines()[0] if str(err) else err}. A "
-            f"peer process died or did not reach it; destroy the process group and restart "
-            f"from a checkpoint."
-        ) from err
+        raise _broken(where, kind, k, plan, rank, timeout, err, group) from err
+
+
+def _broken(
+    where: str,
+    kind: str,
+    k: int,
+    plan: ShardPlan,
+    rank: int,
+    timeout: float | None,
+    err: Exception,
+    group: Any,
+) -> GradAccumError:
+    mark_broken(group)
+    b = plan.buckets[k]
+    limit = f"{timeout:g} s" if timeout is not None else "the process group's timeout"
+    cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return GradAccumError(
+        f"{where}: the {kind} of params bucket {k + 1}/{len(plan.buckets)} ({b.nbytes} bytes "
+        f"of {dtype_name(b.dtype)}) failed on rank {rank}: {cause}. A peer process died, failed "
+        f"earlier, or did not reach it in time (timeout: {limit}); every rank must make the same "
+        f"calls. The process group cannot be reused: destroy it and restart from a checkpoint."
+    )

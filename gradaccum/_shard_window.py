@@ -91,7 +91,7 @@ class Window:
     def gather_params(self) -> Any:
         """The full params for one micro-step (gather='micro_batch'), counted for padding."""
         self.gathers += 1
-        return self.sync.sharded.gather(timeout=self.sync.timeout)
+        return self.sync.sharded._gather(self.where, self.sync.timeout)
 
     def grad_ready(self, i: int, g: torch.Tensor, alpha: float = 1) -> None:
         """Leaf ``i``'s gradient for this micro-step is ``alpha * g``."""
@@ -279,7 +279,7 @@ def params_arg(
     if sync.gather == "micro_batch":
         return args, True
     new = list(args)
-    new[a] = sync.sharded.gather(timeout=sync.timeout)
+    new[a] = sync.sharded._gather(call, sync.timeout)
     return tuple(new), False
 
 

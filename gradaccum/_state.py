@@ -16,7 +16,7 @@ import torch
 
 from . import _checkpoint, _reduce, _scatter, _tree
 from ._custom import CustomReduce
-from ._errors import describe, dtype_name
+from ._errors import describe, dtype_name, is_broken
 from ._scatter import ReduceScatter
 from ._sync import AllReduce
 
@@ -607,6 +607,9 @@ def abort(
     is used, if it has one. Errors while joining are dropped: the caller re-raises its own.
     """
     if sync is None:
+        return
+    group = sync.sharded.group if isinstance(sync, ReduceScatter) else sync.group
+    if is_broken(group):  # a collective already failed: joining would only wait for timeouts
         return
     if state is None and isinstance(sync, CustomReduce):
         try:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
-from ._errors import GradAccumError, describe, dtype_name
+from ._errors import GradAccumError, describe, dtype_name, mark_broken
 from ._record import record
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
@@ -166,6 +166,7 @@ class AllReduce:
         return self._broken(where, what, rank, err)
 
     def _broken(self, where: str, what: str, rank: int, err: Exception) -> GradAccumError:
+        mark_broken(self.group)
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
         cause = str(err).splitlines()[0] if str(err) else type(err).__name__
         return GradAccumError(
@@ -213,10 +214,18 @@ class AllReduce:
                 continue
             mine, theirs = _first_diff(desc, other)
             diffs.append(f"rank {rank} has {mine} but rank {r} has {theirs}")
+        if reduction == "shard":  # gradaccum.shard(): no gradients yet
+            what, options, done = "params to shard", "bucket_mb and param_groups", "sharded"
+        else:
+            what, options, done = (
+                "gradients to synchronise",
+                "reduction and sync options",
+                "reduced",
+            )
         raise GradAccumError(
-            f"{where}: the ranks disagree on the gradients to synchronise: {'; '.join(diffs)}. "
-            f"Every rank must pass params with the same key paths, shapes and dtypes, and the "
-            f"same reduction and sync options; nothing was reduced."
+            f"{where}: the ranks disagree on the {what}: {'; '.join(diffs)}. Every rank must "
+            f"pass params with the same key paths, shapes and dtypes, and the same {options}; "
+            f"nothing was {done}."
         )
 
 

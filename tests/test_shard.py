@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -602,6 +603,74 @@ def test_accumulator_finalize_errors_name_finalize() -> None:
         assert r0[f"Accumulator {policy}"][0] == (
             f"GradAccumError in finalize: Accumulator(n=4).finalize(state): {OTHER_FAILED}"
         )
+
+
+def _mismatched(rank: int, world: int) -> dict[str, str]:
+    """Rank 1 passes a params tree that differs from rank 0's, in one way per case."""
+    base = {"w": torch.ones(3, 4, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.float64)}
+    cases = {
+        "shape": {**base, "b": torch.zeros(5, dtype=torch.float64)},
+        "dtype": {**base, "b": torch.zeros(4, dtype=torch.float32)},
+        "leaf": {**base, "c": torch.zeros(1, dtype=torch.float64)},
+    }
+    out = {
+        key: _error(gradaccum.shard, other if rank == 1 else base) for key, other in cases.items()
+    }
+    # The group still works: the same tree on both ranks shards and gathers.
+    sp = gradaccum.shard(base)
+    out["after"] = str(max_diff(sp.gather(), base))
+    return out
+
+
+def test_ranks_with_different_params_raise_on_every_rank() -> None:
+    r0, r1 = values(run(_mismatched, timeout=60))
+    for key, names in (("shape", "['b']"), ("dtype", "['b']"), ("leaf", "['c']")):
+        for rank, got in enumerate((r0[key], r1[key])):
+            assert got.startswith(
+                "GradAccumError: shard(params, group, bucket_mb=..., param_groups=..., src=...): "
+                "the ranks disagree on the params to shard: "
+            ), (key, rank, got)
+            assert got.endswith("the same bucket_mb and param_groups; nothing was sharded."), got
+            assert f": rank {rank} has params leaf " in got, (key, rank, got)
+            assert f" but rank {1 - rank} has params leaf " in got, (key, rank, got)
+            assert f"leaf {names} of shape" in got, (key, rank, got)
+    assert float(r0["after"]) == float(r1["after"]) == 0.0
+
+
+def _stuck_peer(rank: int, world: int, gather: str) -> Any:
+    sp = gradaccum.shard(mlp_params(kind="dict"))
+    out: dict[str, Any] = {}
+    sync = gradaccum.reduce_scatter(sp, policy="every", gather=gather, timeout=2)
+    step = gradaccum.accumulate(grad(mean_loss), 2, sync=sync)
+    step(sp, regression_batch(8))
+    if rank == 1:
+        time.sleep(8)  # alive, but never reaches the next window
+        return "slept"
+    start = time.monotonic()
+    try:
+        step(sp, regression_batch(8, seed=5))
+    except gradaccum.GradAccumError as err:
+        out["error"] = (str(err), time.monotonic() - start)
+    return out
+
+
+@pytest.mark.parametrize("gather", ["window", "micro_batch"])
+def test_a_stuck_peer_is_a_clear_error_within_the_timeout(gather: str) -> None:
+    """The window's first collective, the params all-gather, raises after the sync's timeout,
+    and the error path does not wait on the broken group again (it would until the peer left)."""
+    r0, r1 = values(run(_stuck_peer, gather, timeout=60))
+    assert r1 == "slept"
+    message, took = r0["error"]
+    assert message.startswith(
+        "accumulate(mean_loss, n=2)(...): the all_gather of params bucket 1/1 (400 bytes of "
+        "float64) failed on rank 0: "
+    ), message
+    assert message.endswith(
+        "A peer process died, failed earlier, or did not reach it in time (timeout: 2 s); every "
+        "rank must make the same calls. The process group cannot be reused: destroy it and "
+        "restart from a checkpoint."
+    ), message
+    assert took < 2 + 3, took
 
 
 # -- 6. checkpoints mid-window ------------------------------------------------------------------
