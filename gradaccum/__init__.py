@@ -31,8 +31,8 @@ from ._scatter import reduce_scatter as reduce_scatter
 from ._shard import Sharded as Sharded
 from ._shard import shard as shard
 from ._split import MicroBatches as MicroBatches
-from ._state import AccumState as AccumState
 from ._state import Accumulator as Accumulator
+from ._sums import AccumState as AccumState
 from ._sync import AllReduce as AllReduce
 from ._sync import Bucket as Bucket
 from ._sync import all_reduce as all_reduce

@@ -11,10 +11,11 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from . import _reduce, _shard_window, _split, _state, _tree
+from . import _reduce, _shard_window, _split, _sums
 from ._autograd import GradFn
 from ._custom import CustomReduce
 from ._errors import describe
+from ._fast_window import Progress, check_fast, fast_window
 from ._scatter import ReduceScatter
 from ._sync import AllReduce
 
@@ -143,9 +144,9 @@ def accumulate(
             f"accumulate(step_fn, n): step_fn must be callable, got {describe(step_fn)}; pass "
             f"a gradient function such as torch.func.grad(loss_fn)."
         )
-    _state.check_n(where, n)
+    _sums.check_n(where, n)
     reduction = _reduce.check_reduction(where, reduction)
-    _state.check_accum_dtype(where, accum_dtype)
+    _sums.check_accum_dtype(where, accum_dtype)
     if not isinstance(has_aux, bool):
         raise TypeError(f"{where}: has_aux must be a bool, got {describe(has_aux)}.")
     if reduction == "count" and (not has_aux or not callable(count)):
@@ -166,7 +167,7 @@ def accumulate(
             f"has_aux=True or drop aux_reduction=."
         )
     _reduce.check_aux_reduction(where, aux_reduction)
-    _state.check_sync(where, sync)
+    _sums.check_sync(where, sync)
     if micro_transform is not None and not callable(micro_transform):
         raise TypeError(
             f"{where}: micro_transform must be None or a function from one micro-batch's "
@@ -177,7 +178,7 @@ def accumulate(
         argnums = grad_fn.argnums if grad_fn is not None else 0
     grad_args = _check_argnums(where, argnums, batch_argnum)
     if grad_fn is not None:
-        _check_fast(where, grad_fn, argnums, has_aux)
+        check_fast(where, grad_fn, argnums, has_aux)
     # The fast path adds each backward straight into the sums: no gradient tree to transform.
     fast = grad_fn if micro_transform is None else None
     custom = sync if isinstance(sync, CustomReduce) else None
@@ -199,17 +200,17 @@ def accumulate(
         )
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
-        win = _Window()
+        win = Progress()
         try:
             if regather:
-                lay = _state.with_accum(scatter.sharded.layout, accum_dtype)  # type: ignore[union-attr]
+                lay = _sums.with_accum(scatter.sharded.layout, accum_dtype)  # type: ignore[union-attr]
             else:
-                lay = _state.make_layout(call, target, accum_dtype)
-            win.state = _state.AccumState(None, 0, 0, 0, lay)
+                lay = _sums.make_layout(call, target, accum_dtype)
+            win.state = _sums.AccumState(None, 0, 0, 0, lay)
             window = scatter._open(call, lay, reduction) if scatter is not None else None
             if window is not None:
                 window.regather = regather
-            win.state = _state.AccumState(
+            win.state = _sums.AccumState(
                 window, 0, 0, 0, lay, custom.state if custom is not None else None
             )
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
@@ -226,7 +227,7 @@ def accumulate(
                     )
                 else:
                     run = functools.partial(
-                        _fast_window,
+                        fast_window,
                         sync=sync if isinstance(sync, AllReduce) else None,
                         prescale_ok=sync is None,
                     )
@@ -253,8 +254,8 @@ def accumulate(
                     grads, aux = _unpack(call, out) if has_aux else (out, None)
                     if micro_transform is not None:
                         grads = micro_transform(grads)
-                    raw, items, alpha, weight = _state.weigh(call, reduction, count, rows, aux)
-                    win.state = _state.add_grads(
+                    raw, items, alpha, weight = _sums.weigh(call, reduction, count, rows, aux)
+                    win.state = _sums.add_grads(
                         call if micro_transform is None else f"{call} after micro_transform",
                         win.state,
                         grads,
@@ -271,11 +272,11 @@ def accumulate(
                         del head, tail
         except Exception:
             # Join the boundary flagged as failed, so the other ranks raise instead of hanging.
-            _state.abort(call, reduction, win.state, sync, win.pending, n=n)
+            _sums.abort(call, reduction, win.state, sync, win.pending, n=n)
             raise
         # The boundary: the one place that communicates (with sync=).
         state = win.state
-        grads, after = _state.finalize(call, reduction, state, sync, pending=win.pending, n=n)
+        grads, after = _sums.finalize(call, reduction, state, sync, pending=win.pending, n=n)
         if custom is not None:
             custom.load_state(after.reduce_state)
         if aux_acc is not None:
@@ -286,156 +287,6 @@ def accumulate(
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)
     return accumulated
-
-
-class _Window:
-    """What a call has reached, so that the error path can join the boundary consistently."""
-
-    state: _state.AccumState[Any] | None = None
-    pending: Any = None  # a boundary opened during the last backward (some buckets in flight)
-
-
-def _check_fast(where: str, fast: GradFn, argnums: object, has_aux: bool) -> None:
-    if fast.argnums != argnums:
-        raise ValueError(
-            f"{where}: step_fn differentiates argnums={fast.argnums!r} but accumulate was given "
-            f"argnums={argnums!r}; pass the same argnums to both."
-        )
-    if fast.returns_aux != has_aux:
-        out = "(grads, value)" if fast.with_value else "(grads, aux)" if fast.has_aux else "grads"
-        raise ValueError(
-            f"{where}: step_fn ({fast!r}) returns {out}, so accumulate needs "
-            f"has_aux={fast.returns_aux}, got has_aux={has_aux}; pass has_aux={fast.returns_aux}."
-        )
-
-
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # hooks, .grad writes: eager
-def _fast_window(
-    call: str,
-    fn: GradFn,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    batch_argnum: int,
-    micro: list[tuple[Any, int]],
-    win: _Window,
-    aux_acc: _reduce.AuxAccumulator | None,
-    *,
-    reduction: _reduce.Reduction,
-    count: Callable[[Any], Any] | None,
-    sync: AllReduce | None,
-    prescale_ok: bool = True,
-) -> None:
-    """The window of a torch.autograd step function: backward straight into the accumulator.
-
-    The differentiated arguments become autograd leaves sharing the params' storage, and each
-    backward accumulates into their ``.grad``, seeded with the micro-batch's weight, as a
-    hand-written ``loss.backward()`` loop does:
-
-    - one process: ``.grad`` is the running sum (the first backward's gradient is kept as is,
-      the later ones are added into it in place);
-    - under a sync: after the first backward, each gradient is copied into its view of a
-      boundary bucket, which becomes ``.grad``, so the later backwards add into the buckets;
-      with ``sync.overlap``, each bucket's all-reduce starts during the last backward, as soon
-      as all of its leaves have their final sum;
-    - low-precision params with a wider accumulator: a hook adds each gradient, scaled, into the
-      (zeroed) sums and drops it.
-    """
-    state = win.state
-    assert state is not None
-    lay = state.layout
-    new_args, leaves, _ = fn.alias(call, args)
-    direct = lay.accum_dtypes == lay.dtypes
-    sums: list[torch.Tensor] | None = None
-    if not direct:
-        sums = _state.allocate(lay, sync)
-    elif sync is not None:
-        sums = sync._allocate(lay)  # uninitialised: the first backward's gradients go in
-    if sums is not None:
-        win.state = state = state._replace(sums=_tree.unflatten(lay.spec, sums))
-    alpha_now: list[float] = [1]
-    handles: list[Any] = []
-    first: list[Any] = []  # the hooks that move the first gradients into the buckets
-    moved: set[int] = set()
-    seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def add_hook(s: torch.Tensor, leaf: torch.Tensor) -> None:
-        s.add_(leaf.grad, alpha=alpha_now[0])  # type: ignore[arg-type]
-        leaf.grad = None
-
-    def move_hook(i: int, leaf: torch.Tensor) -> None:
-        assert sums is not None
-        assert leaf.grad is not None
-        sums[i].copy_(leaf.grad)
-        leaf.grad = sums[i]
-        moved.add(i)
-
-    def hook(leaf: torch.Tensor, fn: Callable[..., None], *args: Any) -> Any:
-        return leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            functools.partial(fn, *args)
-        )
-
-    try:
-        if not direct:
-            handles.extend(hook(leaf, add_hook, s) for s, leaf in zip(sums or [], leaves))
-        elif sums is not None:
-            first.extend(hook(leaf, move_hook, i) for i, leaf in enumerate(leaves))
-        last = len(micro) - 1
-        # One process, mean: seed each backward with rows / total rows (as a hand-written loop
-        # scales its loss), so the sums are the mean already and the boundary divides by 1.
-        prescale = (
-            sum(rows for _, rows in micro)
-            if sync is None and prescale_ok and reduction == "mean"
-            else 0
-        )
-        for j, (mb, rows) in enumerate(micro):
-            new_args[batch_argnum] = mb
-            value, aux = fn.forward(call, new_args, kwargs)
-            raw, items, alpha, weight = _state.weigh(call, reduction, count, rows, aux)
-            scale: float = alpha / prescale if prescale else alpha
-            if j == last and sync is not None and sync.overlap:
-                # Open the boundary before the last backward: its hooks launch each bucket's
-                # all-reduce as soon as all of the bucket's leaves have their final sum.
-                assert sums is not None
-                win.pending = pending = sync._begin(call, reduction, lay, sums)
-                handles.extend(hook(leaf, pending.leaf_ready, i) for i, leaf in enumerate(leaves))
-            if leaves and value.requires_grad:
-                if direct:
-                    key = (scale, value.dtype, value.device)
-                    seed = seeds.get(key)
-                    if seed is None:
-                        seed = torch.full((), scale, dtype=value.dtype, device=value.device)
-                        seeds[key] = seed
-                else:
-                    alpha_now[0] = scale
-                    seed = None
-                torch.autograd.backward(value, seed, inputs=leaves)
-            if j == 0 and first:
-                for h in first:
-                    h.remove()
-                first.clear()
-                assert sums is not None
-                for i, leaf in enumerate(leaves):
-                    if i not in moved:  # no gradient in this micro-batch: start from zero
-                        sums[i].zero_()
-                        leaf.grad = sums[i]
-            win.state = state = state._replace(
-                weight=state.weight + weight, micro_step=state.micro_step + 1
-            )
-            if aux_acc is not None:
-                aux_acc.add(aux, rows, items, raw)
-            del value, aux, raw, mb
-        if sums is None:  # one process, in place: the leaves' .grad are the sums
-            out = [
-                leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves
-            ]
-            win.state = state = state._replace(sums=_tree.unflatten(lay.spec, out))
-        if prescale:  # the sums are the mean already
-            win.state = state._replace(weight=1)
-    finally:
-        for h in handles + first:
-            h.remove()
-        for leaf in leaves:
-            leaf.grad = None
 
 
 def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _state, _tree
+from . import _sums, _tree
 from ._errors import describe, dtype_name
 
 __all__ = ["GradFn", "grad", "grad_and_value"]
@@ -61,7 +61,7 @@ class GradFn:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = f"{self!r}(...)"
-        _state.make_layout(where, self._target(where, args), None)  # floating leaves only
+        _sums.make_layout(where, self._target(where, args), None)  # floating leaves only
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:

@@ -13,10 +13,10 @@ from . import _tree
 from ._errors import GradAccumError, describe, dtype_name
 
 if TYPE_CHECKING:
-    from ._state import AccumState
+    from ._sums import AccumState
     from ._sync import AllReduce
 
-__all__ = ["load", "save"]
+__all__ = ["check_like", "check_meta", "load", "save"]
 
 T = TypeVar("T")
 
@@ -159,3 +159,57 @@ def load(
     return type(state)(
         restored, weight, int(sd["micro_step"]), int(sd["window"]), lay, sd.get("reduce_state")
     )
+
+
+def check_like(
+    where: str,
+    given: Any,
+    shards: tuple[torch.Tensor, ...],
+    what: str,
+    error: type[Exception],
+    fix: str,
+) -> None:
+    """Check that ``given`` is a list of tensors shaped and typed like ``shards``."""
+    if not isinstance(given, (tuple, list)) or len(given) != len(shards):
+        raise error(
+            f"{where}: expected {len(shards)} tensors, one per shard, got {describe(given)}; {fix}."
+        )
+    for k, (t, s) in enumerate(zip(given, shards)):
+        if not isinstance(t, torch.Tensor) or t.shape != s.shape or t.dtype != s.dtype:
+            raise error(
+                f"{where}: {what} {k} is {describe(t)}, expected shape {tuple(s.shape)} "
+                f"{dtype_name(s.dtype)}; {fix}."
+            )
+
+
+def check_meta(where: str, sd: Any, fmt: str, meta: dict[str, Any]) -> None:
+    """Check a sharded state dict's format, world size, rank and layout against ``meta``."""
+    fix = "pass the dict that state_dict() returned on this rank"
+    if not isinstance(sd, dict) or sd.get("format") != fmt:
+        got = describe(sd) if not isinstance(sd, dict) else f"format {sd.get('format')!r}"
+        raise GradAccumError(f"{where}: expected a dict of format {fmt!r}, got {got}; {fix}.")
+    if sd.get("world") != meta["world"]:
+        raise GradAccumError(
+            f"{where}: the state was saved with world size {sd.get('world')!r} but this group "
+            f"has {meta['world']} ranks; resharding a checkpoint is not supported. Resume with "
+            f"world size {sd.get('world')!r}, or gather the params there "
+            f"(Sharded.gather()), save them whole and call gradaccum.shard on them here."
+        )
+    if sd.get("rank") != meta["rank"]:
+        raise GradAccumError(
+            f"{where}: the state was saved by rank {sd.get('rank')!r} but this is rank "
+            f"{meta['rank']}; each rank must load its own file (e.g. f'ckpt/rank{{rank}}.pt')."
+        )
+    saved = list(sd.get("description") or [])
+    if saved != meta["description"] or sd.get("bucket_mb") != meta["bucket_mb"]:
+        mine = meta["description"]
+        diff = next(
+            (f"{a!r} here but {b!r} saved" for a, b in zip(mine, saved) if a != b),
+            f"bucket_mb={meta['bucket_mb']} here but {sd.get('bucket_mb')!r} saved"
+            if sd.get("bucket_mb") != meta["bucket_mb"]
+            else f"{len(mine)} layout lines here but {len(saved)} saved",
+        )
+        raise GradAccumError(
+            f"{where}: the state was saved for another sharded layout: {diff}; shard the same "
+            f"params with the same param_groups and bucket_mb as when it was saved."
+        )

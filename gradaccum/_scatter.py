@@ -25,7 +25,8 @@ import torch
 
 from ._buckets import Bucket
 from ._errors import GradAccumError, describe
-from ._shard import Sharded, ShardPlan, wire_plan
+from ._shard import Sharded
+from ._shard_plan import ShardPlan, wire_plan
 from ._shard_window import Window
 from ._sync import AllReduce, Check, check_options
 
@@ -85,7 +86,7 @@ class ReduceScatter:
         Args:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
         """
-        from ._state import with_accum
+        from ._sums import with_accum
 
         lay = with_accum(self.sharded.layout, accum_dtype)
         out = []
@@ -298,7 +299,7 @@ def save(sync: ReduceScatter, reduction: str, state: Any) -> dict[str, Any]:
 
 def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any) -> Any:
     """Validate a saved sharded accumulator state against this rank's, then rebuild it."""
-    from ._shard import check_meta
+    from ._checkpoint import check_meta
 
     where = "Accumulator.load_state_dict(state, state_dict)"
     lay = state.layout

@@ -16,103 +16,21 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _tree
-from ._buckets import Bucket, Plan, cut_runs, leaf_order
+from ._checkpoint import check_like, check_meta
 from ._errors import GradAccumError, describe, dtype_name, mark_broken
 from ._record import record
+from ._shard_plan import ShardPlan, make_shard_plan, wire_plan
 
 __all__ = ["Sharded", "shard"]
 
 FORMAT = "gradaccum.Sharded/1"
 DEFAULT_GROUP = "params"
-
-
-@dataclass(frozen=True)
-class ShardBucket:
-    """One bucket of a sharded layout (internal)."""
-
-    shard: int  # which shard tensor its chunk lives in
-    members: tuple[int, ...]  # leaf indices, in bucket order
-    offsets: tuple[int, ...]  # element offset of each member in the full bucket
-    numel: int  # data elements
-    padded: int  # numel rounded up to a multiple of the world size
-    chunk: int  # padded // world: elements per rank
-    start: int  # where this bucket's chunk starts in its shard tensor
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the full (padded) bucket."""
-        return self.padded * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Which leaf is where, for one world size (internal; no communication)."""
-
-    world: int
-    names: tuple[str, ...]  # parameter group of each shard tensor
-    dtypes: tuple[torch.dtype, ...]  # dtype of each shard tensor
-    devices: tuple[torch.device, ...]
-    sizes: tuple[int, ...]  # elements of each shard tensor (on every rank)
-    buckets: tuple[ShardBucket, ...]
-    bucket_of_leaf: tuple[int, ...]
-    description: tuple[str, ...]  # what the fingerprint covers
-
-
-def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> ShardPlan:
-    """Group leaves by (parameter group, device, dtype), cut each group into buckets, pad."""
-    groups: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
-    for i in leaf_order(lay.paths):
-        groups.setdefault((names[i], lay.devices[i], lay.dtypes[i]), []).append(i)
-    buckets: list[ShardBucket] = []
-    shard_names, dtypes, devices, sizes = [], [], [], []
-    bucket_of_leaf = [0] * len(lay.paths)
-    for s, ((name, dev, dt), idx) in enumerate(groups.items()):
-        start = 0
-        nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
-        for run in cut_runs(idx, nbytes, cap):
-            offs, off = [], 0
-            for i in run:
-                offs.append(off)
-                off += lay.shapes[i].numel()
-                bucket_of_leaf[i] = len(buckets)
-            padded = -(-off // world) * world
-            chunk = padded // world
-            buckets.append(
-                ShardBucket(s, tuple(run), tuple(offs), off, padded, chunk, start, dt, dev)
-            )
-            start += chunk
-        shard_names.append(name)
-        dtypes.append(dt)
-        devices.append(dev)
-        sizes.append(start)
-    desc = [
-        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} in parameter group {g!r}"
-        for p, shape, dt, g in zip(lay.paths, lay.shapes, lay.dtypes, names)
-    ]
-    desc.append(f"{len(lay.paths)} params leaves sharded over {world} ranks")
-    desc.extend(
-        f"bucket {k} of {b.padded} {dtype_name(b.dtype)} elements in shard {b.shard}"
-        for k, b in enumerate(buckets)
-    )
-    return ShardPlan(
-        world,
-        tuple(shard_names),
-        tuple(dtypes),
-        tuple(devices),
-        tuple(sizes),
-        tuple(buckets),
-        tuple(bucket_of_leaf),
-        tuple(desc),
-    )
 
 
 class Sharded:
@@ -244,7 +162,7 @@ class Sharded:
             ValueError: ``grads`` does not match the shards in number, shape or dtype; nothing
                 is written then.
         """
-        _check_like(
+        check_like(
             "Sharded.write_grads(grads)",
             grads,
             self.shards,
@@ -293,7 +211,7 @@ class Sharded:
         where = "Sharded.load_state_dict(state_dict)"
         check_meta(where, state_dict, FORMAT, self._meta())
         saved = state_dict.get("shards")
-        _check_like(
+        check_like(
             where,
             saved,
             self.shards,
@@ -304,60 +222,6 @@ class Sharded:
         with torch.no_grad():
             for t, s in zip(saved or (), self.shards):
                 s.copy_(t)
-
-
-def _check_like(
-    where: str,
-    given: Any,
-    shards: tuple[torch.Tensor, ...],
-    what: str,
-    error: type[Exception],
-    fix: str,
-) -> None:
-    """Check that ``given`` is a list of tensors shaped and typed like ``shards``."""
-    if not isinstance(given, (tuple, list)) or len(given) != len(shards):
-        raise error(
-            f"{where}: expected {len(shards)} tensors, one per shard, got {describe(given)}; {fix}."
-        )
-    for k, (t, s) in enumerate(zip(given, shards)):
-        if not isinstance(t, torch.Tensor) or t.shape != s.shape or t.dtype != s.dtype:
-            raise error(
-                f"{where}: {what} {k} is {describe(t)}, expected shape {tuple(s.shape)} "
-                f"{dtype_name(s.dtype)}; {fix}."
-            )
-
-
-def check_meta(where: str, sd: Any, fmt: str, meta: dict[str, Any]) -> None:
-    """Check a sharded state dict's format, world size, rank and layout against ``meta``."""
-    fix = "pass the dict that state_dict() returned on this rank"
-    if not isinstance(sd, dict) or sd.get("format") != fmt:
-        got = describe(sd) if not isinstance(sd, dict) else f"format {sd.get('format')!r}"
-        raise GradAccumError(f"{where}: expected a dict of format {fmt!r}, got {got}; {fix}.")
-    if sd.get("world") != meta["world"]:
-        raise GradAccumError(
-            f"{where}: the state was saved with world size {sd.get('world')!r} but this group "
-            f"has {meta['world']} ranks; resharding a checkpoint is not supported. Resume with "
-            f"world size {sd.get('world')!r}, or gather the params there "
-            f"(Sharded.gather()), save them whole and call gradaccum.shard on them here."
-        )
-    if sd.get("rank") != meta["rank"]:
-        raise GradAccumError(
-            f"{where}: the state was saved by rank {sd.get('rank')!r} but this is rank "
-            f"{meta['rank']}; each rank must load its own file (e.g. f'ckpt/rank{{rank}}.pt')."
-        )
-    saved = list(sd.get("description") or [])
-    if saved != meta["description"] or sd.get("bucket_mb") != meta["bucket_mb"]:
-        mine = meta["description"]
-        diff = next(
-            (f"{a!r} here but {b!r} saved" for a, b in zip(mine, saved) if a != b),
-            f"bucket_mb={meta['bucket_mb']} here but {sd.get('bucket_mb')!r} saved"
-            if sd.get("bucket_mb") != meta["bucket_mb"]
-            else f"{len(mine)} layout lines here but {len(saved)} saved",
-        )
-        raise GradAccumError(
-            f"{where}: the state was saved for another sharded layout: {diff}; shard the same "
-            f"params with the same param_groups and bucket_mb as when it was saved."
-        )
 
 
 def shard(
@@ -428,7 +292,7 @@ def shard(
         opt.zero_grad(set_to_none=True)
         ```
     """
-    from ._state import make_layout
+    from ._sums import make_layout
     from ._sync import AllReduce
 
     where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
@@ -489,14 +353,6 @@ def shard(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
     return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
-
-
-def wire_plan(plan: ShardPlan, extra: tuple[str, ...] = ()) -> Plan:
-    """The sharded buckets as a sync ``Plan`` (for the fingerprint and failure messages)."""
-    buckets = tuple(
-        Bucket(b.dtype, b.device, (), b.padded, b.nbytes, False) for b in plan.buckets
-    ) or (Bucket(torch.float64, torch.device("cpu"), (), 0, 0, False),)
-    return Plan(buckets, (), (), (), (*plan.description, *extra))
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:

@@ -20,9 +20,11 @@ import torch.distributed as dist
 from . import _reduce
 from ._errors import GradAccumError
 from ._record import record
-from ._shard import Sharded, wire_plan
+from ._shard import Sharded
+from ._shard_plan import wire_plan
 
 if TYPE_CHECKING:
+    from ._fast_window import Progress
     from ._scatter import ReduceScatter
 
 __all__ = ["MAX_IN_FLIGHT", "Window", "fast_window", "params_arg", "with_params"]
@@ -298,7 +300,7 @@ def fast_window(
     kwargs: dict[str, Any],
     batch_argnum: int,
     micro: list[tuple[Any, int]],
-    win: Any,
+    win: Progress,
     aux_acc: Any,
     *,
     reduction: _reduce.Reduction,
@@ -313,9 +315,10 @@ def fast_window(
     accumulated it (and drop it): ``boundary`` leaves add into their full running sums,
     ``every`` leaves fill their bucket, which is reduce-scattered once complete.
     """
-    from ._state import weigh
+    from ._sums import weigh
 
     state = win.state
+    assert state is not None
     lay = state.layout
     argnum = fn.argnums if isinstance(fn.argnums, int) else fn.argnums[0]
     direct = lay.accum_dtypes == lay.dtypes

@@ -1,0 +1,108 @@
+"""The layout of sharded params: which leaf lies where in which bucket and shard (no communication).
+
+Leaves are grouped by (parameter group, device, dtype), taken in reverse natural order of their
+key paths and cut into buckets as the data-parallel buckets are; each bucket is padded to a
+multiple of the world size, and rank ``r`` owns chunk ``r`` of every bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._buckets import Bucket, Plan, cut_runs, leaf_order
+from ._errors import dtype_name
+
+__all__ = ["ShardBucket", "ShardPlan", "make_shard_plan", "wire_plan"]
+
+
+@dataclass(frozen=True)
+class ShardBucket:
+    """One bucket of a sharded layout (internal)."""
+
+    shard: int  # which shard tensor its chunk lives in
+    members: tuple[int, ...]  # leaf indices, in bucket order
+    offsets: tuple[int, ...]  # element offset of each member in the full bucket
+    numel: int  # data elements
+    padded: int  # numel rounded up to a multiple of the world size
+    chunk: int  # padded // world: elements per rank
+    start: int  # where this bucket's chunk starts in its shard tensor
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full (padded) bucket."""
+        return self.padded * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which leaf is where, for one world size (internal; no communication)."""
+
+    world: int
+    names: tuple[str, ...]  # parameter group of each shard tensor
+    dtypes: tuple[torch.dtype, ...]  # dtype of each shard tensor
+    devices: tuple[torch.device, ...]
+    sizes: tuple[int, ...]  # elements of each shard tensor (on every rank)
+    buckets: tuple[ShardBucket, ...]
+    bucket_of_leaf: tuple[int, ...]
+    description: tuple[str, ...]  # what the fingerprint covers
+
+
+def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> ShardPlan:
+    """Group leaves by (parameter group, device, dtype), cut each group into buckets, pad."""
+    groups: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
+    for i in leaf_order(lay.paths):
+        groups.setdefault((names[i], lay.devices[i], lay.dtypes[i]), []).append(i)
+    buckets: list[ShardBucket] = []
+    shard_names, dtypes, devices, sizes = [], [], [], []
+    bucket_of_leaf = [0] * len(lay.paths)
+    for s, ((name, dev, dt), idx) in enumerate(groups.items()):
+        start = 0
+        nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
+        for run in cut_runs(idx, nbytes, cap):
+            offs, off = [], 0
+            for i in run:
+                offs.append(off)
+                off += lay.shapes[i].numel()
+                bucket_of_leaf[i] = len(buckets)
+            padded = -(-off // world) * world
+            chunk = padded // world
+            buckets.append(
+                ShardBucket(s, tuple(run), tuple(offs), off, padded, chunk, start, dt, dev)
+            )
+            start += chunk
+        shard_names.append(name)
+        dtypes.append(dt)
+        devices.append(dev)
+        sizes.append(start)
+    desc = [
+        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} in parameter group {g!r}"
+        for p, shape, dt, g in zip(lay.paths, lay.shapes, lay.dtypes, names)
+    ]
+    desc.append(f"{len(lay.paths)} params leaves sharded over {world} ranks")
+    desc.extend(
+        f"bucket {k} of {b.padded} {dtype_name(b.dtype)} elements in shard {b.shard}"
+        for k, b in enumerate(buckets)
+    )
+    return ShardPlan(
+        world,
+        tuple(shard_names),
+        tuple(dtypes),
+        tuple(devices),
+        tuple(sizes),
+        tuple(buckets),
+        tuple(bucket_of_leaf),
+        tuple(desc),
+    )
+
+
+def wire_plan(plan: ShardPlan, extra: tuple[str, ...] = ()) -> Plan:
+    """The sharded buckets as a sync ``Plan`` (for the fingerprint and failure messages)."""
+    buckets = tuple(
+        Bucket(b.dtype, b.device, (), b.padded, b.nbytes, False) for b in plan.buckets
+    ) or (Bucket(torch.float64, torch.device("cpu"), (), 0, 0, False),)
+    return Plan(buckets, (), (), (), (*plan.description, *extra))
