@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from . import _tree
 from ._checkpoint import check_like, check_meta
-from ._errors import GradAccumError, describe, dtype_name, mark_broken
+from ._errors import GradAccumError, describe, dtype_name
 from ._record import record
 from ._shard_plan import ShardPlan, make_shard_plan, wire_plan
+from ._sync import AllReduce
 
 __all__ = ["Sharded", "shard"]
 
@@ -293,7 +294,6 @@ def shard(
         ```
     """
     from ._sums import make_layout
-    from ._sync import AllReduce
 
     where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
     comm = AllReduce(group)
@@ -390,13 +390,9 @@ def _broken(
     err: Exception,
     group: Any,
 ) -> GradAccumError:
-    mark_broken(group)
     b = plan.buckets[k]
-    limit = f"{timeout:g} s" if timeout is not None else "the process group's timeout"
-    cause = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return GradAccumError(
-        f"{where}: the {kind} of params bucket {k + 1}/{len(plan.buckets)} ({b.nbytes} bytes "
-        f"of {dtype_name(b.dtype)}) failed on rank {rank}: {cause}. A peer process died, failed "
-        f"earlier, or did not reach it in time (timeout: {limit}); every rank must make the same "
-        f"calls. The process group cannot be reused: destroy it and restart from a checkpoint."
+    what = (
+        f"the {kind} of params bucket {k + 1}/{len(plan.buckets)} ({b.nbytes} bytes of "
+        f"{dtype_name(b.dtype)})"
     )
+    return AllReduce(group, timeout=timeout)._broken(where, what, rank, err)

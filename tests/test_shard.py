@@ -666,9 +666,9 @@ def test_a_stuck_peer_is_a_clear_error_within_the_timeout(gather: str) -> None:
         "float64) failed on rank 0: "
     ), message
     assert message.endswith(
-        "A peer process died, failed earlier, or did not reach it in time (timeout: 2 s); every "
-        "rank must make the same calls. The process group cannot be reused: destroy it and "
-        "restart from a checkpoint."
+        "A peer process died, failed before the boundary, or did not reach it in time (timeout: "
+        "2 s); every rank must call the accumulated function the same number of times. The "
+        "process group cannot be reused: destroy it and restart from a checkpoint."
     ), message
     assert took < 2 + 3, took
 
