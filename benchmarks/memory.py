@@ -3,7 +3,9 @@
 Each configuration runs in a fresh process (peak RSS is a high-water mark). The micro-batch size
 is fixed, so the batch grows with n: a correct accumulation keeps one micro-batch's activations
 alive at a time, and its peak stays flat; the naive loop (``total_loss += loss`` and one
-``backward``) keeps every micro-batch's graph and grows.
+``backward``) keeps every micro-batch's graph and grows. ``accumulator`` is the streaming form
+(``Accumulator.add`` per micro-batch, then ``finalize``), whose running sums the returned
+gradients alias: its peak must stay flat too.
 
     python benchmarks/memory.py            # prints a table and ratios against n=1
 
@@ -52,6 +54,13 @@ def _child(strategy: str, n: int) -> None:
         if strategy == "gradaccum":
             grads = gradaccum.accumulate(grad(loss_fn), n)(params, (x, y))
             del grads
+        elif strategy == "accumulator":  # streaming: one add per micro-batch, then finalize
+            acc = gradaccum.Accumulator(n)
+            state = acc.init(params)
+            for xb, yb in zip(x.chunk(n), y.chunk(n), strict=True):
+                state = acc.add(state, grad(loss_fn)(params, (xb, yb)), size=len(xb))
+            grads, state = acc.finalize(state)
+            del grads
         else:  # naive: keep every micro-batch's graph alive until one backward
             total = 0.0
             for xb, yb in zip(x.chunk(n), y.chunk(n), strict=True):
@@ -80,7 +89,7 @@ def main() -> None:
         _child(args.child[0], int(args.child[1]))
         return
     rows = []
-    for strategy in ("gradaccum", "naive"):
+    for strategy in ("gradaccum", "accumulator", "naive"):
         for n in args.ns:
             out = subprocess.run(
                 [sys.executable, __file__, "--child", strategy, str(n)],

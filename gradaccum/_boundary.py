@@ -8,6 +8,7 @@ computes the same norm and the same found-inf decision without communicating.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -93,13 +94,22 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
 class LossScaleState(NamedTuple):
     """The dynamic loss scale between windows (a pytree: checkpoint it with the model).
 
+    Importing gradaccum registers it with ``torch.serialization.add_safe_globals``, so a
+    checkpoint holding it loads with ``torch.load(path, weights_only=True)``.
+
     Attributes:
         scale: Multiply the loss by this before differentiating.
         good_steps: Consecutive finite windows since the scale last changed.
 
     Examples:
-        >>> import gradaccum
-        >>> gradaccum.LossScale(init_scale=256.0).init()
+        >>> import io, torch, gradaccum
+        >>> state = gradaccum.LossScale(init_scale=256.0).init()
+        >>> state
+        LossScaleState(scale=256.0, good_steps=0)
+        >>> buffer = io.BytesIO()
+        >>> torch.save({"loss_scale": state}, buffer)
+        >>> _ = buffer.seek(0)
+        >>> torch.load(buffer, weights_only=True)["loss_scale"]
         LossScaleState(scale=256.0, good_steps=0)
     """
 
@@ -117,13 +127,25 @@ class LossScale:
     decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
     every rank, so the decision is the same everywhere: every rank skips the step or none does.
     The rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it
-    after ``growth_interval`` finite windows in a row.
+    after ``growth_interval`` finite windows in a row. Unlike ``GradScaler``, whose scale can
+    back off to 0 (after which every window is skipped), the scale never goes below
+    ``min_scale``: windows that keep overflowing keep being skipped at that scale, and each
+    ``unscale()`` still returns ``finite=False`` for them. A growth that would make the scale
+    infinite leaves it as it is.
 
     Args:
-        init_scale: The first scale.
-        growth_factor: Factor applied after ``growth_interval`` finite windows.
-        backoff_factor: Factor applied on a non-finite window.
+        init_scale: The first scale, a finite number ``>= min_scale``.
+        growth_factor: Factor applied after ``growth_interval`` finite windows, a finite
+            number ``>= 1``.
+        backoff_factor: Factor applied on a non-finite window, in ``(0, 1]``.
         growth_interval: Finite windows in a row before the scale grows.
+        min_scale: The floor of the scale, a finite positive number. The default, ``2.0**-126``
+            (the smallest normal float32), keeps the scale and ``1 / scale`` finite in float32;
+            pass e.g. ``min_scale=1.0`` to never scale the loss down.
+
+    Raises:
+        ValueError: An argument is out of its range (the message names it), e.g. a zero,
+            negative, NaN or infinite ``init_scale``.
 
     Examples:
         >>> import torch, gradaccum
@@ -135,27 +157,55 @@ class LossScale:
         >>> _, finite, state = scaler.unscale({"w": torch.tensor([float("inf")])}, state)
         >>> finite, state.scale  # skip this step; the scale backs off
         (False, 512.0)
+
+        The scale stops at ``min_scale``:
+
+        >>> scaler = gradaccum.LossScale(init_scale=4.0, min_scale=1.0)
+        >>> state = scaler.init()
+        >>> for _ in range(5):
+        ...     _, finite, state = scaler.unscale({"w": torch.tensor([float("nan")])}, state)
+        >>> finite, state.scale
+        (False, 1.0)
     """
 
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    min_scale: float = 2.0**-126
 
     def __post_init__(self) -> None:
         where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval)"
         checks: tuple[tuple[str, float, Callable[[float], bool], str], ...] = (
             ("init_scale", self.init_scale, lambda v: v > 0, "a positive number"),
-            ("growth_factor", self.growth_factor, lambda v: v >= 1, "a number >= 1"),
+            ("growth_factor", self.growth_factor, _finite_at_least_1, "a finite number >= 1"),
             ("backoff_factor", self.backoff_factor, lambda v: 0 < v <= 1, "a number in (0, 1]"),
         )
         for name, value, ok, what in checks:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            if not _is_number(value) or not ok(value):
                 raise ValueError(f"{where}: {name} must be {what}, got {describe(value)}.")
+        if math.isinf(self.init_scale):
+            raise ValueError(
+                f"{where}: init_scale must be a finite positive number, got "
+                f"{describe(self.init_scale)}; an infinite scale makes every scaled loss "
+                f"non-finite, so every window would be skipped. Pass e.g. init_scale=2.0**16 "
+                f"(torch.amp.GradScaler's default)."
+            )
         interval = self.growth_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(
                 f"{where}: growth_interval must be a positive int, got {describe(interval)}."
+            )
+        floor = self.min_scale
+        if not _is_number(floor) or not (0 < floor < math.inf):
+            raise ValueError(
+                f"{where}: min_scale must be a finite positive number, got {describe(floor)}; "
+                f"pass e.g. min_scale=1.0, or leave the default (2.0**-126)."
+            )
+        if self.init_scale < floor:
+            raise ValueError(
+                f"{where}: init_scale must be >= min_scale={floor!r}, got "
+                f"{describe(self.init_scale)}; pass a larger init_scale or a smaller min_scale."
             )
 
     def init(self) -> LossScaleState:
@@ -182,12 +232,19 @@ class LossScale:
 
         Raises:
             TypeError: A leaf is not a floating tensor, or ``state`` is not a LossScaleState.
+            ValueError: ``state.scale`` is not a finite positive number.
         """
         where = "LossScale.unscale(grads, state)"
         if not isinstance(state, LossScaleState):
             raise TypeError(
                 f"{where}: state must be a LossScaleState, got {describe(state)}; start with "
                 f"state = scaler.init() and pass on the state unscale() returns."
+            )
+        if not _is_number(state.scale) or not (0 < state.scale < math.inf):
+            raise ValueError(
+                f"{where}: state.scale must be a finite positive number, got "
+                f"{describe(state.scale)}; start with state = scaler.init() and pass on the "
+                f"state unscale() returns."
             )
         leaves, spec = _leaves(where, grads)
         with torch.no_grad():
@@ -206,12 +263,25 @@ class LossScale:
         if finite:
             good = state.good_steps + 1
             if good >= self.growth_interval:
-                new = LossScaleState(state.scale * self.growth_factor, 0)
+                grown = state.scale * self.growth_factor
+                new = LossScaleState(grown if math.isfinite(grown) else state.scale, 0)
             else:
                 new = LossScaleState(state.scale, good)
         else:
-            new = LossScaleState(state.scale * self.backoff_factor, 0)
+            new = LossScaleState(max(state.scale * self.backoff_factor, self.min_scale), 0)
         return _tree.unflatten(spec, out), finite, new
+
+
+# A checkpoint holding a LossScaleState loads with torch.load(path, weights_only=True).
+torch.serialization.add_safe_globals([LossScaleState])
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite_at_least_1(value: float) -> bool:
+    return 1 <= value < math.inf
 
 
 def _amax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

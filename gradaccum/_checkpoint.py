@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ._sums import AccumState
     from ._sync import AllReduce
 
-__all__ = ["check_like", "check_meta", "load", "save"]
+__all__ = ["check_like", "check_meta", "check_progress", "load", "save"]
 
 T = TypeVar("T")
 
@@ -90,8 +90,43 @@ def _check_fields(where: str, sd: dict[str, Any]) -> None:
         )
 
 
+def check_progress(where: str, reduction: str, sd: dict[str, Any], n: int, has_sums: bool) -> None:
+    """Check a state dict's micro_step, weight and sums against each other and ``n``."""
+    fix = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
+    step = sd["micro_step"]
+    if step > n:
+        raise GradAccumError(
+            f"{where}: micro_step is {step}, more than the window's n={n} micro-batches{fix}"
+        )
+    if has_sums != (step > 0):
+        raise GradAccumError(
+            f"{where}: sums is {'present' if has_sums else 'None'} but micro_step is {step}: a "
+            f"window holds running sums exactly when it holds a micro-batch{fix}"
+        )
+    weight = sd["weight"]
+    value = float(weight.item()) if isinstance(weight, torch.Tensor) else float(weight)
+    # Each micro-batch adds at least one row under mean and sum; a count may be 0 (all padding).
+    least = 0.0 if reduction == "count" else float(step)
+    if (
+        not (value == value and abs(value) != float("inf"))
+        or value < least
+        or (step == 0 and value != 0)
+    ):
+        want = (
+            "0 before the first micro-batch"
+            if step == 0
+            else f"a finite number >= {least:g} after {step} micro-batch(es) under "
+            f"reduction={reduction!r}"
+        )
+        raise GradAccumError(f"{where}: weight is {value!r}, expected {want}{fix}")
+
+
 def load(
-    reduction: str, state: AccumState[T], sd: dict[str, Any], sync: AllReduce | None = None
+    reduction: str,
+    state: AccumState[T],
+    sd: dict[str, Any],
+    sync: AllReduce | None = None,
+    n: int | None = None,
 ) -> AccumState[T]:
     """Validate ``sd`` completely against ``state``'s layout, then build the restored state."""
     where = "Accumulator.load_state_dict(state, state_dict)"
@@ -103,6 +138,8 @@ def load(
             f"; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
         )
     _check_fields(where, sd)
+    if n is not None:
+        check_progress(where, reduction, sd, n, sd["sums"] is not None)
     if sd["reduction"] != reduction:
         raise GradAccumError(
             f"{where}: the state was saved with reduction={sd['reduction']!r} but this "

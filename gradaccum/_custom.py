@@ -11,7 +11,6 @@ sum over the group and its new state.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _reduce, _tree
+from . import _comm, _reduce, _tree
 from ._buckets import make_plan
 from ._errors import GradAccumError, describe
 from ._record import record
@@ -108,11 +107,8 @@ class CustomReduce:
         tail[2], tail[3] = float(h), float(h * h)
         record("all_reduce", group, torch.float64, 4, "weight")
         try:
-            work = dist.all_reduce(tail, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            work = _comm.all_reduce(tail, group, self.timeout)
+            _comm.wait(work, self.timeout)
         except RuntimeError as err:
             comm = AllReduce(self.group, timeout=self.timeout)
             raise comm._broken(where, "the weight all_reduce", rank, err) from err

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradAccumError", "describe"]
+__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor"]
 
 
 class GradAccumError(RuntimeError):
@@ -37,6 +37,26 @@ def describe(value: Any) -> str:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return f"{type(value).__name__} {value!r}"
     return type(value).__name__
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    cls = type(value)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def check_not_dtensor(where: str, what: str, value: Any) -> None:
+    """Refuse a DTensor: gradaccum would compute wrong (all-zero) gradients for it today."""
+    if is_dtensor(value):
+        raise GradAccumError(
+            f"{where}: {what} is a DTensor (a parameter of a model wrapped with FSDP2's "
+            f"torch.distributed.fsdp.fully_shard, or made by torch.distributed.tensor); "
+            f"gradaccum does not support DTensor parameters yet and would return wrong (all-zero) "
+            f"gradients for them. Train the model without fully_shard: shard it with "
+            f"sharded = gradaccum.shard(gradaccum.params_of(model)) and "
+            f"sync=gradaccum.reduce_scatter(sharded), or replicate it with "
+            f"sync=gradaccum.all_reduce()."
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from . import _comm
 from ._buckets import TAIL, Plan, bucket_of
 from ._errors import GradAccumError
 from ._record import record
@@ -74,7 +74,7 @@ class InFlight:
         assert buf is not None
         record("all_reduce", self.group, buf.dtype, buf.numel(), "gradients")
         try:
-            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = _comm.all_reduce(buf, self.group, self.sync.timeout)
         except RuntimeError as err:
             raise self.sync._failure(self.where, k, self.plan, self.rank, err) from err
         self.works.append(work)

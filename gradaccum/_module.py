@@ -7,13 +7,22 @@ included), and write gradients back into ``.grad`` so any ``torch.optim`` optimi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.func import functional_call
 
-from ._errors import describe
+from ._errors import check_not_dtensor, describe, dtype_name
+
+# The tensors params_of handed out, per module and name (weak: a dropped dict is forgotten), so
+# that call_module can tell a dict taken before Module.to(...) (stale storage) from a user's own
+# copy of the params (which is allowed).
+_HANDED_OUT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list[weakref.ref[torch.Tensor]]]]
+_HANDED_OUT = weakref.WeakKeyDictionary()
+
+_MAX_NAMES = 8  # names listed in a message before "..."
 
 __all__ = ["buffers_of", "call_module", "params_of", "update_buffers", "write_grads"]
 
@@ -25,12 +34,33 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     optimizer step on the module is seen by the dict and no autograd graph reaches the module.
     Parameters with ``requires_grad=False`` (frozen) are left out.
 
+    Take them again after ``module.to(...)`` (a new dtype or device gives the module new
+    storage): [`call_module()`][gradaccum.call_module] refuses a dict taken before the move,
+    which would otherwise keep training the old tensors.
+
     Examples:
         >>> import torch, gradaccum
         >>> sorted(gradaccum.params_of(torch.nn.Linear(2, 3)))
         ['bias', 'weight']
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``.
+        GradAccumError: A parameter is a DTensor (a model wrapped with FSDP2's ``fully_shard``),
+            which gradaccum does not support yet.
     """
-    return {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
+    where = "params_of(module)"
+    _check_module(where, module)
+    out = {}
+    for k, v in module.named_parameters():
+        check_not_dtensor(where, f"parameter {k!r}", v)
+        if v.requires_grad:
+            out[k] = v.detach()
+    record = _HANDED_OUT.setdefault(module, {})
+    for k, v in out.items():
+        refs = [r for r in record.get(k, ()) if r() is not None]  # forget dropped dicts
+        refs.append(weakref.ref(v))
+        record[k] = refs
+    return out
 
 
 def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,8 +72,82 @@ def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         >>> import torch, gradaccum
         >>> sorted(gradaccum.buffers_of(torch.nn.BatchNorm1d(4)))
         ['num_batches_tracked', 'running_mean', 'running_var']
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``.
     """
+    _check_module("buffers_of(module)", module)
     return {k: v.detach() for k, v in module.named_buffers()}
+
+
+def _check_module(where: str, module: object) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"{where}: module must be a torch.nn.Module, got {describe(module)}; pass the model "
+            f"itself (its tensors come from gradaccum.params_of(model) and buffers_of(model))."
+        )
+
+
+def _names(names: Any) -> str:
+    names = sorted(names)
+    shown = ", ".join(repr(k) for k in names[:_MAX_NAMES])
+    return f"[{shown}{', ...' if len(names) > _MAX_NAMES else ''}]"
+
+
+def _base(t: Any) -> Any:
+    """The plain tensor under torch.func's wrappers (grad, vmap), whose storage can be compared."""
+    functorch = torch._C._functorch
+    while isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def _check_call(
+    where: str,
+    module: torch.nn.Module,
+    params: Mapping[str, Any],
+    buffers: Mapping[str, Any],
+    strict: bool,
+) -> None:
+    """Refuse keys the module does not have, missing trainable params, and stale params."""
+    own = dict(module.named_parameters())
+    if strict:
+        own_buffers = {k for k, _ in module.named_buffers()}
+        unknown = (set(params) | set(buffers)) - own.keys() - own_buffers
+        missing = {k for k, v in own.items() if v.requires_grad} - set(params) - set(buffers)
+        if unknown or missing:
+            raise ValueError(
+                f"{where}: params and buffers do not match the module's names: missing "
+                f"trainable parameters {_names(missing)}, unknown keys {_names(unknown)}; a "
+                f"misspelled or missing key would silently get no gradient. Pass "
+                f"gradaccum.params_of(module) and gradaccum.buffers_of(module), or strict=False "
+                f"to use the module's own tensors for missing names and "
+                f"ignore unknown ones."
+            )
+    for k, value in params.items():
+        check_not_dtensor(where, f"params[{k!r}]", value)
+    record = _HANDED_OUT.get(module)
+    if record is None or torch.compiler.is_compiling():
+        return
+    for k, value in params.items():
+        refs, p = record.get(k), own.get(k)
+        if not refs or p is None or not isinstance(value, torch.Tensor):
+            continue
+        base = _base(value)
+        if base.numel() == 0 or base.data_ptr() == p.data_ptr():
+            continue
+        ptr = base.data_ptr()
+        if any(t is not None and t.data_ptr() == ptr for t in (r() for r in refs)):
+            raise ValueError(
+                f"{where}: params[{k!r}] is no longer the module's storage: it is "
+                f"{dtype_name(base.dtype)} on {base.device}, the module's parameter is "
+                f"{dtype_name(p.dtype)} on {p.device}. The params were taken with "
+                f"params_of(module) before the module was moved or converted "
+                f"(module.to(...), .double(), .cuda()), and training them would leave the "
+                f"module unchanged. Take "
+                f"params = gradaccum.params_of(module) again after moving the module (and "
+                f"rebuild the optimizer on its parameters)."
+            )
 
 
 def call_module(
@@ -51,6 +155,7 @@ def call_module(
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
     *args: Any,
+    strict: bool = True,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Call ``module`` with the given params and buffers; return ``(output, new_buffers)``.
@@ -72,10 +177,22 @@ def call_module(
         params: Parameters by name (e.g. from [`params_of()`][gradaccum.params_of]).
         buffers: Buffers by name (e.g. from [`buffers_of()`][gradaccum.buffers_of]).
         *args: Positional arguments of the module's forward.
+        strict: ``True`` (default): every key of ``params`` and ``buffers`` must name a
+            parameter or buffer of the module, and every trainable parameter must be given
+            (frozen parameters and buffers left out are taken from the module). A misspelled
+            key would otherwise get no gradient, silently. ``False``: unknown keys are ignored
+            and missing ones are taken from the module.
         **kwargs: Keyword arguments of the module's forward.
 
     Returns:
         The module's output, and the buffers after the call.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``.
+        ValueError: With ``strict``, a key is unknown or a trainable parameter is missing (the
+            message lists both); or ``params`` came from [`params_of()`][gradaccum.params_of]
+            before the module was moved to another dtype or device (``module.to(...)``).
+        GradAccumError: A parameter is a DTensor (FSDP2's ``fully_shard``).
 
     Examples:
         >>> import torch, gradaccum
@@ -101,6 +218,15 @@ def call_module(
         >>> int(bn.num_batches_tracked)  # 1 + 4 micro-batches
         5
     """
+    where = "call_module(module, params, buffers, ...)"
+    _check_module(where, module)
+    for name, value in (("params", params), ("buffers", buffers)):
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"{where}: {name} must be a dict of tensors by name, got {describe(value)}; pass "
+                f"gradaccum.{name}_of(module)."
+            )
+    _check_call(where, module, params, buffers, strict)
     fresh = {k: v.clone() for k, v in buffers.items()}
     out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
     return out, fresh
@@ -127,8 +253,15 @@ def update_buffers(
         KeyError: ``new_buffers`` names a buffer that ``buffers`` does not have.
         TypeError: ``new_buffers`` is not a dict.
         ValueError: A new buffer's shape differs from the buffer's. Nothing is written then.
+        TypeError: A floating value is given for an integer buffer (e.g. BatchNorm's
+            ``num_batches_tracked``), which would be truncated. Nothing is written then.
     """
     target = buffers_of(buffers) if isinstance(buffers, torch.nn.Module) else buffers
+    if not isinstance(target, Mapping):
+        raise TypeError(
+            f"update_buffers(buffers, new_buffers): buffers must be a module or a dict from "
+            f"gradaccum.buffers_of(module), got {describe(buffers)}."
+        )
     if not isinstance(new_buffers, Mapping):
         raise TypeError(
             f"update_buffers(buffers, new_buffers): new_buffers must be a dict of tensors by "
@@ -147,6 +280,12 @@ def update_buffers(
                 f"update_buffers(buffers, new_buffers): new_buffers[{k!r}] is {describe(v)}, "
                 f"expected shape {tuple(target[k].shape)}; pass the new_buffers that call_module "
                 f"returned for the same module."
+            )
+        if v.is_floating_point() and not (target[k].is_floating_point() or target[k].is_complex()):
+            raise TypeError(
+                f"update_buffers(buffers, new_buffers): new_buffers[{k!r}] is {describe(v)}, but "
+                f"the buffer is {dtype_name(target[k].dtype)}: the value would be truncated. "
+                f"Pass an integer tensor for it (e.g. the new_buffers that call_module returned)."
             )
     with torch.no_grad():
         for k, v in new_buffers.items():
@@ -168,11 +307,17 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         tensor([[1., 1.]])
 
     Raises:
-        TypeError: ``grads`` is not a dict, or a gradient is not a real floating tensor.
+        TypeError: ``module`` is not a module, ``grads`` is not a dict, or a gradient is not a
+            real floating tensor.
+        GradAccumError: A parameter is a DTensor (FSDP2's ``fully_shard``).
         ValueError: The names of ``grads`` and of the module's trainable parameters differ,
             or a gradient has the wrong shape.
     """
+    where = "write_grads(module, grads)"
+    _check_module(where, module)
     named = {k: v for k, v in module.named_parameters() if v.requires_grad}
+    for k, p in named.items():
+        check_not_dtensor(where, f"the module's parameter {k!r}", p)
     if not isinstance(grads, Mapping):
         raise TypeError(
             f"write_grads(module, grads): grads must be a dict of tensors by parameter name, "

@@ -16,6 +16,7 @@ Each row is the gradient over the whole batch, however it is split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from numbers import Number
 from typing import Any, Literal, cast
@@ -49,7 +50,20 @@ def check_reduction(where: str, reduction: object) -> Reduction:
 
 
 def check_count(where: str, count: object) -> Weight:
-    """Validate one micro-batch's count (a number or a one-element real tensor), detached."""
+    """Validate one micro-batch's count (a number or a one-element real tensor), detached.
+
+    A Python number must be finite and ``>= 0``. A tensor count is checked for its kind and
+    size only: its value stays on the device (reading it would synchronise with the device
+    once per micro-batch), so a negative, NaN or infinite tensor count is not detected here.
+
+    Examples:
+        >>> check_count("f(count)", 3)
+        3
+        >>> check_count("f(count)", float("nan"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: f(count): the count must be a finite number >= 0, got nan; return the ...
+    """
     if isinstance(count, torch.Tensor):
         if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
             raise TypeError(
@@ -63,6 +77,12 @@ def check_count(where: str, count: object) -> Weight:
             f"{where}: the count must be a number or a one-element real tensor, got "
             f"{describe(count)}; return the number of items the summed loss covers, e.g. "
             f"(labels != pad_id).sum()."
+        )
+    if isinstance(count, float) and not math.isfinite(count):
+        raise ValueError(
+            f"{where}: the count must be a finite number >= 0, got {count!r}; return the number "
+            f"of items the summed loss covers, e.g. (labels != pad_id).sum(), as a finite number "
+            f"(a NaN count often comes from a mean or a division by 0 upstream)."
         )
     if count < 0:
         raise ValueError(

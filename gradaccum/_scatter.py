@@ -297,9 +297,9 @@ def save(sync: ReduceScatter, reduction: str, state: Any) -> dict[str, Any]:
     }
 
 
-def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any) -> Any:
+def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any, n: int) -> Any:
     """Validate a saved sharded accumulator state against this rank's, then rebuild it."""
-    from ._checkpoint import check_meta
+    from ._checkpoint import check_meta, check_progress
 
     where = "Accumulator.load_state_dict(state, state_dict)"
     lay = state.layout
@@ -319,6 +319,19 @@ def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any) -> Any:
         if isinstance(sd.get(key), bool) or not isinstance(sd.get(key), int) or sd[key] < 0:
             raise GradAccumError(f"{where}: {key} must be a non-negative int, got {sd.get(key)!r}.")
     weight = sd.get("weight")
+    if isinstance(weight, bool) or not (
+        isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
+    ):
+        raise GradAccumError(
+            f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}; pass "
+            f"the dict that Accumulator.state_dict() returned on this rank."
+        )
+    check_progress(where, reduction, sd, n, sd.get("full") is not None)
+    if sd["steps"] > n:
+        raise GradAccumError(
+            f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps; pass "
+            f"the dict that Accumulator.state_dict() returned on this rank."
+        )
     if isinstance(weight, torch.Tensor):
         weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
     if sd.get("full") is None:

@@ -14,14 +14,13 @@ concatenation of its chunks of that group's buckets, so that
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _tree
+from . import _comm, _tree
 from ._checkpoint import check_like, check_meta
 from ._errors import GradAccumError, describe, dtype_name
 from ._record import record
@@ -140,7 +139,7 @@ class Sharded:
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
                 record("all_gather", self.group, b.dtype, b.padded, "params")
                 try:
-                    works.append(_all_gather(full, mine, self.group))
+                    works.append(_comm.all_gather(full, mine, self.group, timeout))
                 except RuntimeError as err:
                     raise _broken(
                         where, "all_gather", k, plan, self.rank, timeout, err, self.group
@@ -345,19 +344,13 @@ def shard(
             for i, off in zip(b.members, b.offsets):
                 full[off : off + lay.shapes[i].numel()].copy_(leaves[i].reshape(-1))
             if src is not None and world > 1:
-                global_src = dist.get_global_rank(pg, src) if pg is not dist.group.WORLD else src
                 record("broadcast", pg, b.dtype, b.padded, "params")
-                work = dist.broadcast(full, global_src, group=pg, async_op=True)
+                work = _comm.broadcast(full, src, pg, None)
                 _wait(where, "broadcast", k, plan, rank, work, None, pg)
             shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
     return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
 
 
 def _wait(
@@ -372,10 +365,7 @@ def _wait(
 ) -> None:
     """Wait for the ``kind`` collective of params bucket ``k``; a failure names the bucket."""
     try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        _comm.wait(work, timeout)
     except RuntimeError as err:
         raise _broken(where, kind, k, plan, rank, timeout, err, group) from err
 

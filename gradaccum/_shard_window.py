@@ -9,15 +9,13 @@ one that failed, completes the sequence with zeros in ``finish``.
 
 from __future__ import annotations
 
-import datetime
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from . import _reduce
+from . import _comm, _reduce
 from ._errors import GradAccumError
 from ._record import record
 from ._shard import Sharded
@@ -192,9 +190,8 @@ class Window:
         self.sync._comm._wait(self.where, k, self.wire, work, self.rank)
 
     def _scatter(self, k: int, out: torch.Tensor, inp: torch.Tensor) -> Any:
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         try:
-            return fn(out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return _comm.reduce_scatter(out, inp, self.group, self.sync.timeout)
         except RuntimeError as err:
             raise self.sync._comm._failure(self.where, k, self.wire, self.rank, err) from err
 
@@ -221,7 +218,7 @@ class Window:
         tail[1] = 1.0 if failed else 0.0
         record("all_reduce", self.group, torch.float64, 2, "weight")
         try:
-            tail_work = dist.all_reduce(tail, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            tail_work = _comm.all_reduce(tail, self.group, self.sync.timeout)
         except RuntimeError as err:
             raise self.sync._comm._broken(
                 self.where, "the weight all_reduce", self.rank, err
@@ -229,10 +226,7 @@ class Window:
         while self.bound_works:
             self._wait_bound()
         try:
-            if self.sync.timeout is None:
-                tail_work.wait()
-            else:
-                tail_work.wait(timeout=datetime.timedelta(seconds=self.sync.timeout))
+            _comm.wait(tail_work, self.sync.timeout)
         except RuntimeError as err:
             raise self.sync._comm._broken(
                 self.where, "the weight all_reduce", self.rank, err

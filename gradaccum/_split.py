@@ -33,8 +33,15 @@ class MicroBatches(Generic[B]):
     mean loss over all the rows.
 
     Args:
-        batches: A non-empty sequence of batch pytrees, each with at least one tensor leaf and
-            all tensor leaves of one micro-batch sharing their size along dim 0.
+        batches: A non-empty sequence of batch pytrees of one structure (the same dict keys,
+            tuple lengths and nesting), each with at least one tensor leaf and all tensor
+            leaves of one micro-batch sharing their size along dim 0.
+
+    Raises:
+        TypeError: ``batches`` is not a list or tuple.
+        ValueError: ``batches`` is empty. When the accumulated function runs: a micro-batch
+            has no tensor leaf or 0 rows, or its tree differs from micro-batch 0's (the
+            message names the micro-batch and the key path of the first difference).
 
     Examples:
         >>> import torch, gradaccum
@@ -123,12 +130,23 @@ def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tup
     """
     if isinstance(batch, MicroBatches):
         out = []
+        first: Any = None
         for i, mb in enumerate(batch):
-            _, _, _, rows = _rows(f"{where} micro-batch {i}", mb)
+            _, _, mb_spec, rows = _rows(f"{where} micro-batch {i}", mb)
             if rows == 0:
                 raise ValueError(
                     f"{where}: micro-batch {i} of the MicroBatches has 0 rows; a micro-batch "
                     f"needs at least one row. Drop empty micro-batches before passing them."
+                )
+            if i == 0:
+                first = mb_spec
+            elif mb_spec != first:
+                raise ValueError(
+                    f"{where}: micro-batch {i} of the MicroBatches differs in structure from "
+                    f"micro-batch 0 {_tree.first_difference(batch[0], mb)}; give every "
+                    f"micro-batch the structure of micro-batch 0 (the same dict keys, tuple "
+                    f"lengths and nesting), e.g. put an optional entry in every micro-batch or "
+                    f"in none."
                 )
             out.append((mb, rows))
         return out

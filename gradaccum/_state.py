@@ -21,12 +21,14 @@ from ._sums import (
     abort,
     add_grads,
     check_accum_dtype,
+    check_live,
     check_n,
     check_state,
     check_sync,
     finalize,
     make_layout,
     micro_weight,
+    pass_on,
     with_accum,
 )
 from ._sync import AllReduce
@@ -52,7 +54,10 @@ class Accumulator:
     [`is_complete()`][gradaccum.Accumulator.is_complete]) is weighted exactly by what it holds.
 
     The running sums are updated in place: after ``add(state, ...)`` and ``finalize(state)``,
-    use only the state they return.
+    use only the state they return. A state that was passed to them is consumed: ``add``,
+    ``finalize`` and ``state_dict`` refuse it with a ``ValueError`` (it would otherwise change
+    gradients already returned, since those alias the running sums). A state without running sums
+    (from ``init``, or returned by ``finalize``) may be reused.
 
     Args:
         n: Micro-batches per window: a positive int, or a schedule ``window_index -> int``
@@ -167,6 +172,7 @@ class Accumulator:
         """
         where = "Accumulator.add(state, grads)"
         check_state(where, state)
+        check_live(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
         if isinstance(self.sync, ReduceScatter) and state.micro_step >= self.window_size(state):
             raise ValueError(
@@ -174,7 +180,8 @@ class Accumulator:
                 f"micro-batches; with sync=reduce_scatter(...) every rank runs exactly n "
                 f"micro-steps per window, so call finalize(state) before adding more."
             )
-        return add_grads(where, state, grads, alpha, weight, self.sync, self.reduction)
+        new = add_grads(where, state, grads, alpha, weight, self.sync, self.reduction)
+        return pass_on(state, new, "add()")
 
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
         """Close the window: return its gradients and a fresh state for the next window.
@@ -196,7 +203,9 @@ class Accumulator:
         """
         where = f"{self._where}.finalize(state)"
         check_state(where, state)
-        return finalize(where, self.reduction, state, self.sync, n=self.window_size(state))
+        check_live(where, state)
+        grads, new = finalize(where, self.reduction, state, self.sync, n=self.window_size(state))
+        return grads, pass_on(state, new, "finalize()")
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:
         """Give up the current window after an error on this rank.
@@ -222,7 +231,8 @@ class Accumulator:
         where = f"{self._where}.abort(state)"
         check_state(where, state)
         abort(where, self.reduction, state, self.sync, n=self.window_size(state))
-        return AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
+        new = AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
+        return pass_on(state, new, "abort()")
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -233,6 +243,7 @@ class Accumulator:
         included. The running sums are copies: later ``add`` calls do not change it.
         """
         check_state("Accumulator.state_dict(state)", state)
+        check_live("Accumulator.state_dict(state)", state)
         if isinstance(self.sync, ReduceScatter):
             return _scatter.save(self.sync, self.reduction, state)
         return _checkpoint.save(self.reduction, state)
@@ -250,10 +261,19 @@ class Accumulator:
 
         Raises:
             GradAccumError: The saved state is for a different gradient tree (key paths, shapes
-                or dtypes differ; the message names the first difference) or reduction.
+                or dtypes differ; the message names the first difference) or reduction, or its
+                fields are inconsistent: ``micro_step`` above ``n`` or negative, a ``weight``
+                that is negative, NaN or infinite (or 0 after a micro-batch under ``mean`` and
+                ``sum``), ``sums`` missing mid-window. The message names the field.
         """
         check_state("Accumulator.load_state_dict(state, state_dict)", state)
+        saved = state_dict.get("window") if isinstance(state_dict, dict) else None
+        at = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
+        n = self.window_size(state._replace(window=at))
+        restored: AccumState[T]
         if isinstance(self.sync, ReduceScatter):
-            return _scatter.load(self.sync, self.reduction, state, state_dict)  # type: ignore[no-any-return]
-        sync = self.sync if isinstance(self.sync, AllReduce) else None
-        return _checkpoint.load(self.reduction, state, state_dict, sync)
+            restored = _scatter.load(self.sync, self.reduction, state, state_dict, n)
+        else:
+            sync = self.sync if isinstance(self.sync, AllReduce) else None
+            restored = _checkpoint.load(self.reduction, state, state_dict, sync, n)
+        return pass_on(restored._replace(sums=None), restored, "load_state_dict()")

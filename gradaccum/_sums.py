@@ -16,7 +16,7 @@ import torch
 
 from . import _reduce, _tree
 from ._custom import CustomReduce
-from ._errors import describe, dtype_name, is_broken
+from ._errors import check_not_dtensor, describe, dtype_name, is_broken
 from ._scatter import ReduceScatter
 from ._sync import AllReduce
 
@@ -58,6 +58,11 @@ class AccumState(NamedTuple, Generic[T]):
         reduce_state: The state of a [`custom_reduce()`][gradaccum.custom_reduce] sync between
             windows (e.g. error-feedback buffers), ``None`` for other syncs; it is saved by
             [`state_dict()`][gradaccum.Accumulator.state_dict].
+        ticket: Internal: marks which state of a window is the current one. The running sums are
+            updated in place, so once a state holding sums has been passed to ``add``,
+            ``finalize`` or ``abort``, only the state returned may be used; ``add``, ``finalize``
+            and ``state_dict`` refuse the consumed one (it would change gradients already
+            returned). ``None`` while the window holds no sums: such a state may be reused.
 
     Examples:
         >>> import torch, gradaccum
@@ -73,6 +78,33 @@ class AccumState(NamedTuple, Generic[T]):
     window: int
     layout: Any
     reduce_state: Any = None
+    ticket: Any = None
+
+
+def check_live(where: str, state: AccumState[Any]) -> None:
+    """Refuse a state holding running sums that was already passed to add, finalize or abort."""
+    ticket = state.ticket
+    if state.sums is None or ticket is None or ticket[0] == state.micro_step:
+        return
+    by = ticket[1] if ticket[0] < 0 else "add()"
+    raise ValueError(
+        f"{where}: state was consumed: it was already passed to {by} (at micro-step "
+        f"{state.micro_step} of window {state.window}), which updated its running sums in place "
+        f"and returned a new state. Using it again would change gradients already returned; "
+        f"use the state that {by} returned (state = acc.add(state, ...); grads, state = "
+        f"acc.finalize(state))."
+    )
+
+
+def pass_on(old: AccumState[Any], new: AccumState[Any], by: str) -> AccumState[Any]:
+    """Mark ``old`` consumed by ``by``; give ``new`` the window's ticket if it holds sums."""
+    if old.sums is not None and old.ticket is not None:
+        old.ticket[:] = [-1, by]  # consumed; a state of the window made later gets a new ticket
+    if new.sums is None:
+        return new
+    ticket = old.ticket if old.sums is not None and old.ticket is not None else [0, None]
+    ticket[:] = [new.micro_step, None]
+    return new._replace(ticket=ticket)
 
 
 def check_n(where: str, n: object) -> int:
@@ -123,6 +155,7 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> _La
     """Describe the gradient tree from ``params``, validating that its leaves are float tensors."""
     paths, leaves, spec = _tree.flatten_with_paths(params)
     for path, leaf in zip(paths, leaves):
+        check_not_dtensor(where, f"params leaf {path}", leaf)
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{where}: params leaf {path} is {describe(leaf)}; every params leaf must be a "

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from . import _comm
 from ._buckets import TAIL, Bucket, Plan, make_plan
 from ._errors import GradAccumError, describe, dtype_name, mark_broken
 from ._in_flight import InFlight
@@ -151,10 +152,7 @@ class AllReduce:
 
     def _wait(self, where: str, k: int, plan: Plan, work: Any, rank: int) -> None:
         try:
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            _comm.wait(work, self.timeout)
         except RuntimeError as err:
             raise self._failure(where, k, plan, rank, err) from err
 

@@ -22,7 +22,12 @@ from ._errors import dtype_name
 
 __all__ = ["Comparison", "LeafDiff", "assert_equivalent", "assert_finite", "compare", "nonfinite"]
 
-# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|, per leaf.
+# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|, per leaf. The low-precision rows
+# are a little looser than torch.testing.assert_close's (bfloat16 1.6e-2 / 1e-5, float16 1e-3 /
+# 1e-5): a gradient entry is a sum over the batch, and where its terms cancel (a bias gradient
+# near 0) the rounding error follows the terms, not the small sum. With assert_close's values,
+# 1-2% of the leaves of correct float16/bfloat16 MLP steps failed; with these, none did (the
+# worst at 0.84 of the tolerance).
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-12),
     torch.float32: (1e-5, 1e-6),
@@ -31,13 +36,34 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
+def _coarsest(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two dtypes (the one with the larger machine epsilon)."""
+    if not a.is_floating_point:
+        return b
+    if not b.is_floating_point:
+        return a
+    return b if torch.finfo(b).eps > torch.finfo(a).eps else a
+
+
+def _default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` for a leaf compared in ``dtype``."""
+    if dtype in _TOLERANCES:
+        return _TOLERANCES[dtype]
+    if dtype.is_floating_point:  # e.g. float8: two units in the last place
+        return 2 * torch.finfo(dtype).eps, 1e-3
+    return _TOLERANCES[torch.float32]
+
+
 @dataclass(frozen=True)
 class LeafDiff:
     """How one gradient leaf differs from the whole-batch reference.
 
     Attributes:
         path: The leaf's key path, e.g. ``['layer']['weight']``.
-        dtype: The reference gradient's dtype (it selects the default tolerances).
+        dtype: The dtype that selects the default tolerances: the less precise of the
+            accumulated and the reference gradient's dtypes (they differ when ``step_fn``
+            returns, say, float32 gradients for bfloat16 params: the accumulated gradient is
+            returned in the params' dtype).
         max_abs_err: ``max |accumulated - reference|`` over the leaf.
         scale: ``max |reference|`` over the leaf.
         rtol: The relative tolerance used.
@@ -141,9 +167,16 @@ def compare(
         batch: The whole batch (second argument).
         n: Micro-batches to split it into.
         *args: Further positional arguments of ``step_fn``.
-        rtol: Relative tolerance; default chosen per dtype (float64 1e-10, float32 1e-5,
-            float16 5e-3, bfloat16 2e-2).
-        atol: Absolute tolerance; default chosen per dtype.
+        rtol: Relative tolerance. Default: chosen per leaf from the less precise of the
+            accumulated and the reference gradient's dtypes: float64 1e-10, float32 1e-5,
+            float16 5e-3, bfloat16 2e-2 (other floating dtypes: twice their machine epsilon).
+            A leaf passes when ``max|acc - ref| <= atol + rtol * max|ref|`` over the leaf.
+            Gradients that are float32 but computed in lower precision (e.g. under
+            ``torch.autocast``) need the tolerances of the compute dtype: pass e.g.
+            ``rtol=2e-2, atol=1e-3`` for bfloat16.
+        atol: Absolute tolerance, for leaves whose entries sum terms that cancel. Default:
+            chosen per leaf like ``rtol``: float64 1e-12, float32 1e-6, float16 1e-4,
+            bfloat16 and other floating dtypes 1e-3.
         **accumulate_kwargs: Keywords for [`accumulate()`][gradaccum.accumulate] (``has_aux``,
             ``reduction``, ``count``...).
 
@@ -157,6 +190,14 @@ def compare(
         >>> p, b = torch.ones(3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
         >>> gradaccum.testing.compare(grad(loss), p, b, n=4).ok
         True
+
+        Tolerances follow the dtype: bfloat16 gradients are held to bfloat16's.
+
+        >>> p16 = torch.ones(3, dtype=torch.bfloat16)
+        >>> b16 = torch.linspace(-1, 1, 24, dtype=torch.bfloat16).reshape(8, 3)
+        >>> worst = gradaccum.testing.compare(grad(loss), p16, b16, n=4).worst
+        >>> worst.ok, worst.dtype, worst.rtol, worst.atol
+        (True, torch.bfloat16, 0.02, 0.001)
     """
     has_aux = accumulate_kwargs.get("has_aux", False)
     reduction = accumulate_kwargs.get("reduction", "mean")
@@ -171,15 +212,16 @@ def compare(
     acc_leaves, _ = _tree.flatten(acc)
     diffs = []
     for path, r, a in zip(paths, ref_leaves, acc_leaves):
+        dtype = _coarsest(r.dtype, a.dtype)
         dr, da = r.detach(), a.detach().to(r.dtype)
-        d_rtol, d_atol = _TOLERANCES.get(r.dtype, _TOLERANCES[torch.float32])
+        d_rtol, d_atol = _default_tolerances(dtype)
         wide = torch.float64 if dr.device.type != "mps" else torch.float32
         err = (da.to(wide) - dr.to(wide)).abs().max().item() if dr.numel() else 0.0
         scale = dr.to(wide).abs().max().item() if dr.numel() else 0.0
         diffs.append(
             LeafDiff(
                 path,
-                r.dtype,
+                dtype,
                 err,
                 scale,
                 d_rtol if rtol is None else rtol,
