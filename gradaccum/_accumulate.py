@@ -148,7 +148,10 @@ def accumulate(
     reduction = _reduce.check_reduction(where, reduction)
     _sums.check_accum_dtype(where, accum_dtype)
     if not isinstance(has_aux, bool):
-        raise TypeError(f"{where}: has_aux must be a bool, got {describe(has_aux)}.")
+        raise TypeError(
+            f"{where}: has_aux must be a bool, got {describe(has_aux)}; pass has_aux=True if "
+            f"step_fn returns (grads, aux), else has_aux=False."
+        )
     if reduction == "count" and (not has_aux or not callable(count)):
         raise ValueError(
             f"{where}: reduction='count' needs has_aux=True and count=, a function from a "
@@ -171,7 +174,8 @@ def accumulate(
     if micro_transform is not None and not callable(micro_transform):
         raise TypeError(
             f"{where}: micro_transform must be None or a function from one micro-batch's "
-            f"gradients to the gradients to add, got {describe(micro_transform)}."
+            f"gradients to the gradients to add, got {describe(micro_transform)}; pass a "
+            f"function such as gradaccum.clip_per_sample(1.0), or None."
         )
     grad_fn = step_fn if isinstance(step_fn, GradFn) else None
     if argnums is None:
@@ -206,8 +210,9 @@ def accumulate(
                 lay = _sums.with_accum(scatter.sharded.layout, accum_dtype)  # type: ignore[union-attr]
             else:
                 lay = _sums.make_layout(call, target, accum_dtype)
+                _check_not_empty(call, lay, target, argnums)
             win.state = _sums.AccumState(None, 0, 0, 0, lay)
-            window = scatter._open(call, lay, reduction) if scatter is not None else None
+            window = scatter._open(call, lay, reduction, n) if scatter is not None else None
             if window is not None:
                 window.regather = regather
             win.state = _sums.AccumState(
@@ -293,7 +298,8 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
     if isinstance(batch_argnum, bool) or not isinstance(batch_argnum, int) or batch_argnum < 0:
         raise TypeError(
             f"{where}: batch_argnum must be a non-negative int (a positional index), got "
-            f"{describe(batch_argnum)}."
+            f"{describe(batch_argnum)}; pass the position of the batch among step_fn's "
+            f"positional arguments, e.g. batch_argnum=1 for step_fn(params, batch)."
         )
     if isinstance(argnums, int) and not isinstance(argnums, bool):
         nums: tuple[int, ...] = (argnums,)
@@ -306,16 +312,37 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
     else:
         raise TypeError(
             f"{where}: argnums must be an int or a non-empty tuple of ints, as in "
-            f"torch.func.grad, got {describe(argnums)}."
+            f"torch.func.grad, got {describe(argnums)}; pass e.g. argnums=0, or argnums=(0, 2) "
+            f"for several arguments."
         )
     if any(i < 0 for i in nums):
-        raise ValueError(f"{where}: argnums must be non-negative, got {argnums!r}.")
+        raise ValueError(
+            f"{where}: argnums must be non-negative, got {argnums!r}; pass the positions "
+            f"counted from the first argument, e.g. argnums=0."
+        )
     if batch_argnum in nums:
         raise ValueError(
             f"{where}: batch_argnum={batch_argnum} is also in argnums={argnums!r}; the batch is "
             f"split, not differentiated. Pass the position of the batch as batch_argnum."
         )
     return nums
+
+
+def _check_not_empty(
+    call: str, lay: _sums._Layout, target: Any, argnums: int | tuple[int, ...]
+) -> None:
+    """Refuse params with no tensor leaf: nothing to differentiate, nothing to accumulate."""
+    if lay.paths:
+        return
+    at = f"position {argnums}" if isinstance(argnums, int) else f"positions {list(argnums)}"
+    got = repr(target)
+    got = got if len(got) <= 60 else got[:57] + "..."
+    raise ValueError(
+        f"{call}: the params (argnums={argnums!r}) hold no tensor leaves, got {got}, "
+        f"so there is no gradient to accumulate; pass the params to differentiate (a pytree "
+        f"with at least one floating tensor, e.g. gradaccum.params_of(model)) at {at}, "
+        f"or point argnums= at the argument that holds them."
+    )
 
 
 def _unpack(call: str, out: Any) -> tuple[Any, Any]:

@@ -248,7 +248,8 @@ def _check_fn(name: str, fn: object) -> None:
     if not callable(fn):
         raise TypeError(
             f"gradaccum.{name}(fn): fn must be callable (a function returning a scalar loss), "
-            f"got {describe(fn)}."
+            f"got {describe(fn)}; pass the loss function itself, e.g. gradaccum.{name}(loss_fn) "
+            f"with loss_fn(params, batch) -> loss."
         )
 
 
@@ -272,6 +273,7 @@ def _check_argnums(name: str, argnums: object) -> int | tuple[int, ...]:
 def _check_has_aux(name: str, has_aux: object) -> bool:
     if not isinstance(has_aux, bool):
         raise TypeError(
-            f"gradaccum.{name}(fn, has_aux=...): has_aux must be a bool, got {describe(has_aux)}."
+            f"gradaccum.{name}(fn, has_aux=...): has_aux must be a bool, got {describe(has_aux)}; "
+            f"pass has_aux=True if fn returns (loss, aux), else has_aux=False."
         )
     return has_aux

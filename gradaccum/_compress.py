@@ -75,7 +75,8 @@ def compressed_all_reduce(
         A [`CustomReduce`][gradaccum.CustomReduce] to pass as ``sync=``. It keeps no state.
 
     Raises:
-        ValueError: ``dtype`` is not bfloat16 or float16, or ``bucket_mb`` is not positive.
+        ValueError: ``dtype`` is not bfloat16 or float16, or ``bucket_mb`` is not a positive,
+            finite number.
 
     Examples:
         >>> import torch, torch.distributed as dist, gradaccum
@@ -97,9 +98,14 @@ def compressed_all_reduce(
             f"{where}: dtype must be torch.bfloat16 or torch.float16, got {describe(dtype)}; "
             f"for an exact reduction use gradaccum.all_reduce()."
         )
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+    if (
+        isinstance(bucket_mb, bool)
+        or not isinstance(bucket_mb, (int, float))
+        or not 0 < bucket_mb < math.inf  # refuses NaN and inf too
+    ):
         raise ValueError(
-            f"{where}: bucket_mb must be a positive number, got {describe(bucket_mb)}."
+            f"{where}: bucket_mb must be a positive, finite number of MiB, got "
+            f"{describe(bucket_mb)}; pass e.g. bucket_mb=25 (DDP's default)."
         )
     cap = max(1, int(bucket_mb * 2**20) // dtype.itemsize)
 
@@ -259,7 +265,7 @@ def powersgd(
         (``"error"``, shaped like the params) and the ``Q`` factors (``"q"``).
 
     Raises:
-        ValueError: ``rank`` is not a positive int.
+        ValueError: ``rank`` is not a positive int, or ``seed`` is not an int.
 
     Examples:
         >>> import torch, gradaccum
@@ -273,6 +279,11 @@ def powersgd(
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(
             f"{where}: rank must be a positive int, got {describe(rank)}; pass e.g. 4."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(
+            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
+            f"e.g. seed=0."
         )
 
     def shape2(g: torch.Tensor) -> tuple[int, int] | None:

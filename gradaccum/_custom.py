@@ -12,6 +12,7 @@ sum over the group and its new state.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,7 +248,7 @@ def custom_reduce(
 
     Raises:
         TypeError: ``fn`` or ``init`` is not callable.
-        ValueError: ``timeout`` is not positive.
+        ValueError: ``timeout`` is not a positive, finite number.
 
     Examples:
         A plain all-reduce that also counts its windows in its state:
@@ -270,15 +271,22 @@ def custom_reduce(
     if not callable(fn):
         raise TypeError(
             f"{where}: fn must be callable, (grads, state, group) -> (summed_grads, new_state); "
-            f"got {describe(fn)}."
+            f"got {describe(fn)}; pass a function, e.g. custom_reduce(my_sum) with "
+            f"my_sum(grads, state, group) returning (grads, state)."
         )
     if init is not None and not callable(init):
-        raise TypeError(f"{where}: init must be None or callable, got {describe(init)}.")
+        raise TypeError(
+            f"{where}: init must be None or callable, got {describe(init)}; pass a function "
+            f"from zeros shaped like the gradients to the first state, e.g. "
+            f"init=lambda grads: 0, or None to start from state None."
+        )
     if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < math.inf  # refuses NaN and inf too
     ):
         raise ValueError(
-            f"{where}: timeout must be None or a positive number of seconds, got "
+            f"{where}: timeout must be None or a positive, finite number of seconds, got "
             f"{describe(timeout)}; pass e.g. timeout=60."
         )
     name = getattr(fn, "__name__", None) or type(fn).__name__

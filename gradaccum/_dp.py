@@ -11,6 +11,7 @@ stays identical on every rank).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,10 +29,20 @@ T = TypeVar("T")
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: mixes (seed, window) into one generator seed
 
 
-def _positive(where: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{where}: {name} must be a positive number, got {describe(value)}.")
-    return float(value)
+def _number(value: object, low: float, *, strict: bool) -> bool:
+    """Whether ``value`` is an int or float (not a bool), finite, and above (or at) ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (low < value if strict else low <= value) and value < math.inf  # NaN fails both
+
+
+def _positive(where: str, name: str, value: object, example: str) -> float:
+    if not _number(value, 0, strict=True):
+        raise ValueError(
+            f"{where}: {name} must be a positive, finite number, got {describe(value)}; pass "
+            f"e.g. {name}={example}."
+        )
+    return float(value)  # type: ignore[arg-type]
 
 
 def clip_per_sample(max_norm: float) -> Callable[[T], T]:
@@ -52,7 +63,7 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
         params).
 
     Raises:
-        ValueError: ``max_norm`` is not positive.
+        ValueError: ``max_norm`` is not a positive, finite number.
 
     Examples:
         >>> import torch, gradaccum
@@ -61,7 +72,7 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
         {'w': tensor([0.9000, 1.2000])}
     """
     where = "clip_per_sample(max_norm)"
-    bound = _positive(where, "max_norm", max_norm)
+    bound = _positive(where, "max_norm", max_norm, "1.0")
 
     def clipped_sum(grads: T) -> T:
         leaves, spec = _tree.flatten(grads)
@@ -124,8 +135,8 @@ def dp_noise(
         A [`CustomReduce`][gradaccum.CustomReduce] whose state is the number of windows done.
 
     Raises:
-        ValueError: A number is not positive (``noise_multiplier`` may be 0: no noise), or
-            ``seed`` is not an int.
+        ValueError: A number is not positive and finite (``noise_multiplier`` may be 0: no
+            noise), or ``seed`` is not an int.
 
     Examples:
         >>> import torch, gradaccum
@@ -146,20 +157,18 @@ def dp_noise(
         tensor([-0.6000,  0.0000])
     """
     where = "dp_noise(noise_multiplier, max_norm, expected_batch_size, seed=...)"
-    if (
-        isinstance(noise_multiplier, bool)
-        or not isinstance(noise_multiplier, (int, float))
-        or not noise_multiplier >= 0
-    ):
+    if not _number(noise_multiplier, 0, strict=False):
         raise ValueError(
-            f"{where}: noise_multiplier must be a number >= 0 (0: no noise), got "
-            f"{describe(noise_multiplier)}."
+            f"{where}: noise_multiplier must be a finite number >= 0 (0: no noise), got "
+            f"{describe(noise_multiplier)}; pass the sigma your privacy accountant gives, e.g. "
+            f"noise_multiplier=1.0."
         )
-    bound = _positive(where, "max_norm", max_norm)
-    size = _positive(where, "expected_batch_size", expected_batch_size)
+    bound = _positive(where, "max_norm", max_norm, "1.0")
+    size = _positive(where, "expected_batch_size", expected_batch_size, "256")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(
-            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}."
+            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
+            f"e.g. seed=0."
         )
     std = float(noise_multiplier) * bound
 

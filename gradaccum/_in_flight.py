@@ -42,8 +42,10 @@ class InFlight:
         group: Any,
         rank: int,
         world: int,
+        probe: Any = None,
     ) -> None:
         self.sync, self.where, self.reduction, self.plan = sync, where, reduction, plan
+        self.probe = probe  # the window's fingerprint exchange, waited for before any bucket
         self.sums, self.group, self.rank, self.world = sums, group, rank, world
         # The flat bucket each group of sums is a view of, or None (packed at finish).
         self.bufs: list[torch.Tensor | None] = [
@@ -69,7 +71,14 @@ class InFlight:
                     break
                 self._launch(nxt)
 
+    def _agreed(self) -> None:
+        """Wait for the fingerprint exchange (once): the ranks' buckets must agree."""
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            self.sync._agree(self.where, probe, self.group, self.rank, self.world)
+
     def _launch(self, k: int) -> None:
+        self._agreed()
         buf = self.bufs[k]
         assert buf is not None
         record("all_reduce", self.group, buf.dtype, buf.numel(), "gradients")
@@ -81,6 +90,7 @@ class InFlight:
 
     def finish(self, weight: int | float | torch.Tensor, failed: bool = False) -> float:
         """Launch what is left (the weight and failure flag in the tail), wait, return the total."""
+        self._agreed()
         plan, packed = self.plan, []
         for k, (b, members, offsets, numel) in enumerate(
             zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)

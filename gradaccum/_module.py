@@ -50,15 +50,15 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     where = "params_of(module)"
     _check_module(where, module)
-    out = {}
-    for k, v in module.named_parameters():
-        check_not_dtensor(where, f"parameter {k!r}", v)
-        if v.requires_grad:
-            out[k] = v.detach()
+    out: dict[str, torch.Tensor] = {}
+    for k, p in module.named_parameters():
+        check_not_dtensor(where, f"parameter {k!r}", p)
+        if p.requires_grad:
+            out[k] = p.detach()
     record = _HANDED_OUT.setdefault(module, {})
-    for k, v in out.items():
+    for k, t in out.items():
         refs = [r for r in record.get(k, ()) if r() is not None]  # forget dropped dicts
-        refs.append(weakref.ref(v))
+        refs.append(weakref.ref(t))
         record[k] = refs
     return out
 

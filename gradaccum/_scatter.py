@@ -59,11 +59,10 @@ class ReduceScatter:
     sharded: Sharded
     policy: str | Mapping[str, str] = "boundary"
     gather: str = "window"
-    check: Check = "first"
+    check: Check = "fingerprint"
     timeout: float | None = None
     overlap: bool = True
     _comm: AllReduce = field(init=False, repr=False, compare=False)
-    _verified: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -98,8 +97,16 @@ class ReduceScatter:
 
     # -- used by accumulate and Accumulator ---------------------------------------------------
 
-    def _open(self, where: str, lay: Any, reduction: str, verify: bool = True) -> Window:
-        """A window for gradients of layout ``lay`` (checked against the sharded params)."""
+    def _open(
+        self, where: str, lay: Any, reduction: str, n: int = 0, verify: bool = True
+    ) -> Window:
+        """A window for gradients of layout ``lay`` (checked against the sharded params).
+
+        Unless ``check="never"``, the ranks first exchange a fingerprint of everything that decides
+        the window's collectives (layout, buckets, policies, gather, accumulation dtypes,
+        reduction, and ``n`` where it sets the number of micro-step collectives), so that a rank
+        that differs raises before any of them instead of sending collectives of other sizes.
+        """
         mine = self.sharded.layout
         if (lay.spec, lay.paths, lay.shapes, lay.dtypes, lay.devices) != (
             mine.spec,
@@ -118,18 +125,16 @@ class ReduceScatter:
                 f"{where}: mixed accumulation dtypes within a shard are not supported."
             )
         pg, rank, world = self._comm._group(where, "sync=reduce_scatter(...)")
-        key = (lay, reduction)
-        if verify and (
-            self.check == "always" or (self.check == "first" and key not in self._verified)
-        ):
+        if verify and self.check != "never":
+            per_step = "every" in self.policies() or self.gather == "micro_batch"
             extra = (
                 *(f"shard {k} policy {p!r}" for k, p in enumerate(self.policies())),
                 f"gather={self.gather!r}",
                 *(f"accumulated in {d}" for d in lay.accum_dtypes),
+                *((f"n={n} micro-steps per window",) if per_step else ()),
             )
             desc = wire_plan(self.sharded.plan, extra)
             self._comm._verify(where, desc, reduction, pg, rank, world)
-            self._verified.add(key)
         return Window(self, where, lay, pg, rank, world)
 
 
@@ -158,7 +163,7 @@ def reduce_scatter(
     *,
     policy: str | Mapping[str, str] = "boundary",
     gather: str = "window",
-    check: Check = "first",
+    check: Check = "fingerprint",
     timeout: float | None = None,
     overlap: bool = True,
 ) -> ReduceScatter:
@@ -193,10 +198,13 @@ def reduce_scatter(
             ``"micro_batch"`` all-gathers them before each micro-batch and drops them after its
             backward (``n`` times the gather traffic; between micro-batches only the shards are
             held). Params passed already gathered are used as they are.
-        check: As in [`all_reduce()`][gradaccum.all_reduce]: verify once (``"first"``), at every
-            window (``"always"``) or never that every rank has the same layout, policy and
-            reduction.
-        timeout: Seconds to wait for each collective before raising
+        check: As in [`all_reduce()`][gradaccum.all_reduce]: in every window, before its first
+            collective, the ranks check (``"fingerprint"``, the default; ``"full"`` compares the
+            whole descriptions) that they have the same layout, policies, gather, reduction and,
+            where it sets the number of collectives (an ``every`` group or
+            ``gather="micro_batch"``), the same ``n``; ``"never"`` skips it.
+        timeout: Seconds after which each collective of the sync fails (set on the collective
+            itself: gloo's reduce-scatter ignores a timeout given only to ``wait``), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's.
         overlap: With [`grad()`][gradaccum.grad] step functions and only ``boundary`` groups,
             reduce-scatter each bucket during the last backward as soon as it is complete.
@@ -336,7 +344,7 @@ def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any, n: int) -> An
         weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
     if sd.get("full") is None:
         return type(state)(None, weight, sd["micro_step"], sd["window"], lay)
-    window = sync._open(where, lay, reduction, verify=False)
+    window = sync._open(where, lay, reduction, n, verify=False)
     saved = list(sd["full"]) + list(sd["out"])
     for k, (t, f) in enumerate(zip(saved, window.full + window.out)):  # type: ignore[operator]
         if (t is None) != (f is None) or (

@@ -180,7 +180,8 @@ class Accumulator:
                 f"micro-batches; with sync=reduce_scatter(...) every rank runs exactly n "
                 f"micro-steps per window, so call finalize(state) before adding more."
             )
-        new = add_grads(where, state, grads, alpha, weight, self.sync, self.reduction)
+        n = self.window_size(state)
+        new = add_grads(where, state, grads, alpha, weight, self.sync, self.reduction, n)
         return pass_on(state, new, "add()")
 
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:

@@ -304,6 +304,7 @@ def add_grads(
     weight: _reduce.Weight,
     sync: AllReduce | ReduceScatter | CustomReduce | None = None,
     reduction: str = "mean",
+    n: int = 0,
 ) -> AccumState[T]:
     """Validate, then add ``alpha * grads`` into the running sums (allocated on first use).
 
@@ -312,7 +313,7 @@ def add_grads(
     lay: _Layout = state.layout
     leaves = _check_grads(where, lay, grads)
     if isinstance(sync, ReduceScatter):
-        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
+        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction, n)
         with torch.no_grad():
             window.add(leaves, alpha)
         return state._replace(
@@ -366,7 +367,7 @@ def finalize(
         nxt = AccumState(None, 0, 0, state.window + 1, lay, new)
         return _tree.unflatten(lay.spec, out) if not failed else None, nxt  # type: ignore[return-value]
     if isinstance(sync, ReduceScatter):
-        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction)
+        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction, n)
         shards, _ = window.finish(where, reduction, state.weight, n, failed)
         return shards, AccumState(None, 0, 0, state.window + 1, lay)
     if sync is not None:

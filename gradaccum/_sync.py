@@ -9,10 +9,9 @@ bucket of the widest dtype carries two more elements, the window's weight (rows 
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +24,8 @@ from ._record import record
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
 
-Check = Literal["first", "always", "never"]
-_CHECKS = ("first", "always", "never")
+Check = Literal["fingerprint", "full", "never"]
+_CHECKS = ("fingerprint", "full", "never")
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,16 +41,15 @@ class AllReduce:
     Examples:
         >>> import gradaccum
         >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)
-        AllReduce(group=None, bucket_mb=50.0, check='first', timeout=120.0, overlap=True)
+        AllReduce(group=None, bucket_mb=50.0, check='fingerprint', timeout=120.0, overlap=True)
     """
 
     group: Any = None
     bucket_mb: float = 25.0
-    check: Check = "first"
+    check: Check = "fingerprint"
     timeout: float | None = None
     overlap: bool = True
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _verified: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
     _last: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     # -- planning (no communication) ----------------------------------------------------------
@@ -119,18 +117,17 @@ class AllReduce:
         return self._begin(where, reduction, lay, sums).finish(weight, failed)
 
     def _begin(self, where: str, reduction: str, lay: Any, sums: list[torch.Tensor]) -> InFlight:
-        """Open the boundary of a window: check the group and (once) the trees agree.
+        """Open the boundary of a window: start the fingerprint exchange of its buckets.
 
-        The returned ``InFlight`` launches buckets as they are marked ready, and the rest, with
-        the weight, at ``finish``.
+        The returned ``InFlight`` waits for the fingerprint before it launches its first bucket
+        (a rank whose tree differs would otherwise send a bucket of another size), then launches
+        buckets as they are marked ready, and the rest, with the weight, at ``finish``.
         """
         group, rank, world = self._group(where)
         plan = self._layout_plan(lay)
         self._last[:] = [lay]  # a rank that fails before its next window knows the layout
-        if self.check == "always" or (self.check == "first" and lay not in self._verified):
-            self._verify(where, plan, reduction, group, rank, world)
-            self._verified.add(lay)
-        return InFlight(self, where, reduction, plan, sums, group, rank, world)
+        probe = None if self.check == "never" else self._probe(where, plan, reduction, group, rank)
+        return InFlight(self, where, reduction, plan, sums, group, rank, world, probe)
 
     def _group(self, where: str, what: str = "sync=all_reduce()") -> tuple[Any, int, int]:
         if not dist.is_available() or not dist.is_initialized():
@@ -185,6 +182,10 @@ class AllReduce:
         world: int,
     ) -> None:
         """Exchange a fingerprint of the tree, reduction and buckets; on mismatch, name it."""
+        self._agree(where, self._probe(where, plan, reduction, group, rank), group, rank, world)
+
+    def _probe(self, where: str, plan: Plan, reduction: str, group: Any, rank: int) -> Probe:
+        """Start the exchange of a fingerprint of ``plan`` (16 bytes: max of ``h`` and ``-h``)."""
         desc = (*plan.description, f"reduction={reduction!r}")
         digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
         h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
@@ -192,18 +193,29 @@ class AllReduce:
         probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
         record("all_reduce", group, torch.int64, 2, "fingerprint")
         try:
-            work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            work = _comm.all_reduce(probe, group, self.timeout, op=dist.ReduceOp.MAX)
         except RuntimeError as err:
             raise self._broken(
                 where, "the fingerprint exchange with the other ranks", rank, err
             ) from err
-        hi, neg_lo = probe.tolist()
-        if hi == -neg_lo:
+        return Probe(work, probe, desc, reduction)
+
+    def _agree(self, where: str, pr: Probe, group: Any, rank: int, world: int) -> None:
+        """Wait for a fingerprint exchange; when the ranks differ, name the difference.
+
+        With ``check="full"`` the descriptions themselves are compared (a debug mode that
+        does not rely on the 62-bit hash).
+        """
+        try:
+            _comm.wait(pr.work, self.timeout)
+        except RuntimeError as err:
+            raise self._broken(
+                where, "the fingerprint exchange with the other ranks", rank, err
+            ) from err
+        hi, neg_lo = pr.probe.tolist()
+        if hi == -neg_lo and self.check != "full":
             return
+        desc, reduction = pr.desc, pr.reduction
         gathered: list[Any] = [None] * world
         record("all_gather_object", group, torch.uint8, 0, "fingerprint")
         dist.all_gather_object(gathered, desc, group=group)
@@ -213,6 +225,11 @@ class AllReduce:
                 continue
             mine, theirs = _first_diff(desc, other)
             diffs.append(f"rank {rank} has {mine} but rank {r} has {theirs}")
+        if not diffs:
+            return
+        # No collective of the window was started: the group still agrees on its sequence, but
+        # the error path must not join a boundary whose buckets differ between ranks.
+        mark_broken(self.group)
         if reduction == "shard":  # gradaccum.shard(): no gradients yet
             what, options, done = "params to shard", "bucket_mb and param_groups", "sharded"
         else:
@@ -228,11 +245,20 @@ class AllReduce:
         )
 
 
+class Probe(NamedTuple):
+    """A fingerprint exchange in flight."""
+
+    work: Any
+    probe: torch.Tensor
+    desc: tuple[str, ...]
+    reduction: str
+
+
 def all_reduce(
     group: Any = None,
     *,
     bucket_mb: float = 25.0,
-    check: Check = "first",
+    check: Check = "fingerprint",
     timeout: float | None = None,
     overlap: bool = True,
 ) -> AllReduce:
@@ -257,12 +283,19 @@ def all_reduce(
             leaf), and the first bucket of each dtype closes at 1 MiB, so that with overlap the
             first all-reduce starts early. Fewer, larger buckets mean fewer collectives; more
             buckets, more overlap.
-        check: ``"first"`` (default): on the first boundary of each gradient layout, the ranks
-            exchange an 8-byte fingerprint of their key paths, shapes, dtypes, reduction and
-            buckets; a mismatch raises [`GradAccumError`][gradaccum.GradAccumError] on every
-            rank, naming the difference. ``"always"``: at every boundary (a debug mode).
-            ``"never"``: skip it.
-        timeout: Seconds to wait for each boundary collective before raising
+        check: ``"fingerprint"`` (default): in every window, before its first bucket, the
+            ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
+            buckets (one 16-byte all-reduce, started when the boundary opens, so that it
+            overlaps the last backward); a mismatch raises
+            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
+            before any gradient is sent. Every window, because a rank whose tree changes (a
+            parameter unfrozen on one rank only) cannot know that the others did not.
+            ``"full"``: the ranks also compare their whole descriptions in every window (a debug
+            mode that does not rely on the hash). ``"never"``: skip it; a rank with another tree
+            then sends buckets of other sizes (gloo aborts the process) or adds unrelated
+            numbers.
+        timeout: Seconds after which each of the sync's collectives fails (the timeout is set
+            on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
             timeout.
         overlap: With a step function made by [`grad()`][gradaccum.grad] or
@@ -318,8 +351,8 @@ def check_options(where: str, check: object, timeout: object, overlap: object) -
     if not isinstance(check, str) or check not in _CHECKS:
         raise ValueError(
             f"{where}: check must be one of {', '.join(map(repr, _CHECKS))}, got "
-            f"{describe(check)}; 'first' verifies the trees agree once, 'always' at every "
-            f"boundary."
+            f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
+            f"trees agree in every window), 'full' (a debug mode) or 'never'."
         )
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0

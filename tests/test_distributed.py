@@ -126,14 +126,16 @@ def test_equivalence_with_one_process_on_the_global_batch() -> None:
 
 
 def _counts(rank: int, world: int) -> dict[str, Any]:
+    from gradaccum import _comm  # the transport: every collective of gradaccum starts there
+
     calls: list[str] = []
-    real = dist.all_reduce
+    real = _comm.all_reduce
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append("all_reduce")
         return real(*args, **kwargs)
 
-    dist.all_reduce = spy  # type: ignore[assignment]
+    _comm.all_reduce = spy  # type: ignore[assignment]
     params = mlp_params(kind="nested")
     seen_inside: list[int] = []
 
@@ -180,7 +182,7 @@ def _counts(rank: int, world: int) -> dict[str, Any]:
     except ValueError as err:
         out["solo"] = str(err)
     out["grad_bytes"] = sum(p.numel() * p.element_size() for p in _leaves(params))
-    dist.all_reduce = real  # type: ignore[assignment]
+    _comm.all_reduce = real  # type: ignore[assignment]
     return out
 
 
@@ -196,16 +198,16 @@ def test_collectives_only_at_the_boundary_one_per_bucket() -> None:
         plan = out["plan"]
         assert len(plan) >= 3  # the tiny cap splits the MLP into several buckets
         assert sum(b[3] for b in plan) == 1  # one bucket carries the weight
-        for w, window in enumerate(out["windows"]):
+        for window in out["windows"]:
             assert window["inside"] == [0, 0, 0, 0]  # no collective before any micro-batch
             grads = [c for c in window["log"] if c[1] == "gradients"]
             assert [(c[2], c[3], c[4]) for c in grads] == [(b[0], b[1], b[2]) for b in plan]
             assert sum(c[4] for c in grads) == out["grad_bytes"] + 2 * 8  # + weight and flag
             checks = [c for c in window["log"] if c[1] == "fingerprint"]
-            assert len(checks) == (1 if w == 0 else 0)  # check="first"
+            assert len(checks) == 1  # check="fingerprint": every window, before its buckets
             assert window["calls"] == len(window["log"])  # the log misses nothing
             assert window["group_is_world"]
-        assert out["n1"] == len(plan)  # n=1 still syncs; same layout, already verified
+        assert out["n1"] == len(plan) + 1  # n=1 still syncs: the fingerprint, then the buckets
         assert out["subgroup"]
         assert out["subgroup diff"] < 1e-12
     assert outs[0]["solo"] < 1e-15
@@ -423,9 +425,10 @@ def test_a_dead_or_stuck_peer_is_a_clear_error_within_the_timeout(how: str) -> N
     results = run(_dead_peer, how, timeout=60)
     kind, message, took = results[0][1]
     assert kind == "GradAccumError"
+    # The window's first collective is the fingerprint exchange, before any bucket.
     assert message.startswith(
-        "accumulate(mean_loss, n=2)(...): the boundary all_reduce of bucket 1/1 (416 bytes of "
-        "float64) failed on rank 0: "
+        "accumulate(mean_loss, n=2)(...): the fingerprint exchange with the other ranks failed "
+        "on rank 0: "
     ), message
     assert (
         "A peer process died, failed before the boundary, or did not reach it in time (timeout: "

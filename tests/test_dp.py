@@ -88,7 +88,9 @@ def test_clip_per_sample_bounds_each_sample_and_sums() -> None:
 
 
 def test_clip_per_sample_errors() -> None:
-    with pytest.raises(ValueError, match=r"max_norm must be a positive number, got int 0"):
+    with pytest.raises(
+        ValueError, match=r"max_norm must be a positive, finite number, got int 0; pass"
+    ):
         gradaccum.clip_per_sample(0)
     clip = gradaccum.clip_per_sample(1.0)
     with pytest.raises(ValueError, match=r"leaf \['b'\] is .* and the first has 3 rows"):
@@ -98,9 +100,9 @@ def test_clip_per_sample_errors() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"noise_multiplier": -1.0}, r"noise_multiplier must be a number >= 0"),
-        ({"max_norm": 0}, r"max_norm must be a positive number"),
-        ({"expected_batch_size": -4}, r"expected_batch_size must be a positive number"),
+        ({"noise_multiplier": -1.0}, r"noise_multiplier must be a finite number >= 0"),
+        ({"max_norm": 0}, r"max_norm must be a positive, finite number"),
+        ({"expected_batch_size": -4}, r"expected_batch_size must be a positive, finite number"),
         ({"seed": 1.5}, r"seed must be an int, the same on every rank"),
     ],
 )

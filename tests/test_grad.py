@@ -289,13 +289,15 @@ def predict_all(p: Any, b: Any) -> torch.Tensor:
         (
             lambda: gradaccum.grad_and_value(mean_loss, has_aux=1),
             TypeError,
-            "gradaccum.grad_and_value(fn, has_aux=...): has_aux must be a bool, got int 1.",
+            "gradaccum.grad_and_value(fn, has_aux=...): has_aux must be a bool, got int 1; pass "
+            "has_aux=True if fn returns (loss, aux), else has_aux=False.",
         ),
         (
             lambda: gradaccum.grad("loss"),
             TypeError,
             "gradaccum.grad(fn): fn must be callable (a function returning a scalar loss), got "
-            "str 'loss'.",
+            "str 'loss'; pass the loss function itself, e.g. gradaccum.grad(loss_fn) with "
+            "loss_fn(params, batch) -> loss.",
         ),
         (
             lambda: gradaccum.accumulate(gradaccum.grad_and_value(mean_loss), 2),

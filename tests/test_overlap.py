@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist import run, values
 from models import (
     max_diff,
@@ -25,6 +24,7 @@ from test_distributed import SPLIT, _reversed_dict, _shard
 from torch.func import grad
 
 import gradaccum
+from gradaccum import _comm  # the transport: every collective of gradaccum starts there
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -93,7 +93,7 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
     """Record, for every all_reduce, how many forwards had run and whether autograd was running."""
     forwards = [0]
     seen: list[tuple[int, bool, int]] = []
-    real = dist.all_reduce
+    real = _comm.all_reduce
 
     def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         seen.append((forwards[0], torch._C._current_graph_task_id() != -1, tensor.numel()))
@@ -103,7 +103,7 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
         forwards[0] += 1
         return mean_loss(p, b)
 
-    dist.all_reduce = spy  # type: ignore[assignment]
+    _comm.all_reduce = spy  # type: ignore[assignment]
     try:
         params = mlp_params(kind="dict")
         sync = gradaccum.all_reduce(bucket_mb=1e-5, overlap=overlap)
@@ -125,7 +125,7 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
                 }
             )
     finally:
-        dist.all_reduce = real  # type: ignore[assignment]
+        _comm.all_reduce = real  # type: ignore[assignment]
     return {"plan": [(b.numel, b.tail) for b in plan], "windows": windows}
 
 
@@ -136,12 +136,12 @@ def test_overlap_launches_buckets_during_the_last_backward_only(overlap: bool) -
         assert len(plan) >= 3
         tail = [numel for numel, is_tail in plan if is_tail]
         order = [numel for numel, is_tail in plan if not is_tail] + tail  # the tail goes last
-        for w, window in enumerate(out["windows"]):
+        for window in out["windows"]:
             assert window["diff"] < 1e-12
             grads = window["seen"]
-            if w == 0:  # the fingerprint: after the last forward, before its backward
-                assert grads[0] == (4, False, 2)
-                grads = grads[1:]
+            # The fingerprint, in every window: after the last forward, before its backward.
+            assert grads[0] == (4, False, 2)
+            grads = grads[1:]
             assert [s[2] for s in grads] == order  # one all_reduce per bucket, in plan order
             assert all(s[0] == 4 for s in window["seen"])  # nothing before the last micro-batch
             inside = [s[1] for s in grads]
@@ -175,14 +175,14 @@ def _fails_mid_backward(rank: int, world: int) -> dict[str, Any]:
     params = mlp_params(kind="dict")
     sync = gradaccum.all_reduce(bucket_mb=1e-5, timeout=30)
     launched: list[int] = []
-    real = dist.all_reduce
+    real = _comm.all_reduce
 
     def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:
             launched.append(tensor.numel())
         return real(tensor, *args, **kwargs)
 
-    dist.all_reduce = spy  # type: ignore[assignment]
+    _comm.all_reduce = spy  # type: ignore[assignment]
     step = gradaccum.accumulate(gradaccum.grad(loss_fn), 3, sync=sync)
     out: dict[str, Any] = {}
     try:
@@ -191,7 +191,7 @@ def _fails_mid_backward(rank: int, world: int) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - sent back to the test
         out["first"] = f"{type(err).__name__}: {err}"
     finally:
-        dist.all_reduce = real  # type: ignore[assignment]
+        _comm.all_reduce = real  # type: ignore[assignment]
     out["launched_in_backward"] = launched
     forwards[0] = 10  # no more failures: the group is still usable for the next window
     g = step(params, _shard(regression_batch(sum(SPLIT)), rank))

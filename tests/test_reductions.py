@@ -885,7 +885,7 @@ def test_errors_and_exactness_in_a_world_of_one() -> None:
     with pytest.raises(ValueError, match=r"dtype must be torch\.bfloat16 or torch\.float16"):
         gradaccum.compressed_all_reduce(torch.float32)
     for bad in (0, -1.0, True):
-        with pytest.raises(ValueError, match=r"bucket_mb must be a positive number"):
+        with pytest.raises(ValueError, match=r"bucket_mb must be a positive, finite number of MiB"):
             gradaccum.compressed_all_reduce(bucket_mb=bad)
     for bad in (0, 0.0, 1.5, -0.1, True):
         with pytest.raises(ValueError, match=r"ratio must be a fraction in \(0, 1\]"):

@@ -231,8 +231,9 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
         (
             lambda: gradaccum.all_reduce(check="once"),
             ValueError,
-            ALL_REDUCE + "check must be one of 'first', 'always', 'never', got str 'once'; "
-            "'first' verifies the trees agree once, 'always' at every boundary.",
+            ALL_REDUCE + "check must be one of 'fingerprint', 'full', 'never', got str 'once'; "
+            "pass check='fingerprint' (the default: the ranks check that their trees agree in "
+            "every window), 'full' (a debug mode) or 'never'.",
         ),
         (
             lambda: gradaccum.all_reduce(timeout=-1),
@@ -307,7 +308,10 @@ def test_errors(call: Any, exc: type[BaseException], message: str) -> None:
 
 
 @pytest.mark.usefixtures("world_of_one")
-@pytest.mark.parametrize(("check", "fingerprints"), [("first", 1), ("always", 3), ("never", 0)])
+@pytest.mark.parametrize(
+    # full: the 16-byte exchange, then the descriptions themselves, in every window
+    ("check", "fingerprints"), [("fingerprint", 3), ("full", 6), ("never", 0)]
+)
 def test_check_modes_decide_how_often_the_fingerprint_is_exchanged(
     check: str, fingerprints: int
 ) -> None:
@@ -371,7 +375,7 @@ def test_abort_and_early_errors_join_the_boundary_flagged() -> None:
     bad = {**params, "w1": params["w1"].to(torch.int64)}
     with gradaccum.record_collectives() as log, pytest.raises(TypeError, match="dtype int64"):
         step(bad, regression_batch(4))
-    assert [c.purpose for c in log] == ["gradients"]
+    assert [c.purpose for c in log] == ["fingerprint", "gradients"]
     # Without sync, abort only discards the window.
     plain = gradaccum.Accumulator(n=3)
     state = plain.add(plain.init(params), grad(mean_loss)(params, regression_batch(2)), size=2)

@@ -1,0 +1,2193 @@
+"""A catalogue of misuse: every bad input gradaccum can meet in one process, in one table.
+
+Each case builds fresh inputs, makes one bad call and says which exception it expects and which
+words (the argument's name, the key path...) the message must contain. One generic test runs them
+all and checks, for each:
+
+- the exception type;
+- the message starts with the call shape (``name(...)``), names the argument, and gives a fix
+  (after the expectation: ``; pass ...``, ``. Use ...``, ``; step_fn must ...``; STYLE.md);
+- every tensor reachable from the inputs (params, grads, accumulator states, modules' parameters,
+  ``.grad`` and buffers, optimizer state, state dicts, shards) is bit-identical afterwards, and
+  the containers hold the same keys.
+
+The full text of the messages is pinned in test_errors.py; this file is about coverage. Cases
+tagged ``item=N`` are the bad inputs of the reliability issue (item N of its list); the others
+existed before it. Distributed paths run in a world of one process (gloo, a HashStore).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradaccum
+
+F64 = torch.float64
+NAN, INF = float("nan"), float("inf")
+
+Exc = type[BaseException] | tuple[type[BaseException], ...]
+NS = dict[str, Any]
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad call.
+
+    ``names``: words the message must contain; a tuple among them means any one of its words.
+    ``world``: run inside a gloo process group of one rank. ``item``: the reliability issue's
+    item number for the bad inputs it added (None: an error that existed before it).
+    ``absent``: words the message must not contain (a misleading phrase).
+    """
+
+    id: str
+    setup: Callable[[], NS]
+    call: Callable[[NS], Any]
+    exc: Exc
+    names: tuple[str | tuple[str, ...], ...]
+    world: bool = False
+    item: int | None = None
+    absent: tuple[str, ...] = ()
+
+
+CASES: list[Case] = []
+
+
+def case(
+    id: str,
+    setup: Callable[[], NS],
+    call: Callable[[NS], Any],
+    exc: Exc,
+    *names: str | tuple[str, ...],
+    world: bool = False,
+    item: int | None = None,
+    absent: tuple[str, ...] = (),
+) -> None:
+    assert all(c.id != id for c in CASES), id
+    CASES.append(Case(id, setup, call, exc, names, world, item, absent))
+
+
+# -- inputs -------------------------------------------------------------------------------------
+
+
+def params() -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor([0.1, 0.2, 0.3], dtype=F64), "b": torch.tensor(0.5, dtype=F64)}
+
+
+def grads(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((3,), scale, dtype=F64), "b": torch.tensor(scale, dtype=F64)}
+
+
+def x(rows: int = 8) -> torch.Tensor:
+    return torch.arange(rows * 3, dtype=F64).reshape(rows, 3) / 10
+
+
+def y(rows: int = 8) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, rows, dtype=F64)
+
+
+def step_fn(params: Any, batch: Any) -> Any:
+    """Gradients of the right tree: ones."""
+    return {k: torch.ones_like(v) for k, v in params.items()}
+
+
+def aux_fn(params: Any, batch: Any) -> Any:
+    return step_fn(params, batch), {
+        "loss": torch.tensor(1.0, dtype=F64),
+        "tokens": torch.tensor(3.0, dtype=F64),
+    }
+
+
+def returning(out: Any) -> Callable[..., Any]:
+    """A step function named ``step_fn`` that returns ``out``."""
+
+    def step_fn(params: Any, batch: Any) -> Any:
+        return out
+
+    return step_fn
+
+
+def mean_loss(params: Any, batch: Any) -> torch.Tensor:
+    xs, ys = batch
+    return ((xs @ params["w"] + params["b"] - ys) ** 2).mean()
+
+
+def pb(**more: Any) -> NS:
+    """Params and a batch (x, y) of 8 rows."""
+    return {"params": params(), "batch": (x(), y()), **more}
+
+
+def mid(n: int = 4, reduction: str = "mean", **kw: Any) -> NS:
+    """An Accumulator and a state holding one micro-batch (running sums allocated)."""
+    acc = gradaccum.Accumulator(n=n, reduction=reduction, **kw)  # type: ignore[arg-type]
+    weight = {"count": 2} if reduction == "count" else {"size": 2}
+    p = params()
+    state = acc.add(acc.init(p), grads(), **weight)
+    return {"acc": acc, "state": state, "params": p, "grads": grads(2.0)}
+
+
+def fresh(n: int = 4, reduction: str = "mean") -> NS:
+    acc = gradaccum.Accumulator(n=n, reduction=reduction)  # type: ignore[arg-type]
+    p = params()
+    return {"acc": acc, "state": acc.init(p), "params": p, "grads": grads()}
+
+
+def saved(change: Callable[[dict[str, Any]], None] | None = None, **kw: Any) -> NS:
+    """A mid-window state (n=4, one micro-batch) and its state dict, changed by ``change``."""
+    ns = mid(**kw)
+    sd = ns["acc"].state_dict(ns["state"])
+    if change is not None:
+        change(sd)
+    return {**ns, "sd": sd}
+
+
+def saved_other(p: dict[str, torch.Tensor], **kw: Any) -> NS:
+    """A fresh state for params() and the state dict of a window over ``p``."""
+    other = gradaccum.Accumulator(n=4, **kw)
+    weight = {"count": 2} if kw.get("reduction") == "count" else {"size": 2}
+    state = other.add(other.init(p), {k: torch.ones_like(v) for k, v in p.items()}, **weight)
+    return {**mid(), "sd": other.state_dict(state)}
+
+
+def linear(with_grad: bool = True) -> NS:
+    """A float64 Linear(2, 1) with .grad set and an SGD optimizer with momentum state."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 1).to(F64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+    lin(torch.ones(3, 2, dtype=F64)).sum().backward()
+    opt.step()  # momentum buffers
+    if not with_grad:
+        opt.zero_grad(set_to_none=True)
+    return {"module": lin, "opt": opt, "x": torch.ones(3, 2, dtype=F64)}
+
+
+def batchnorm() -> NS:
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).to(F64)
+    bn(torch.randn(6, 3, dtype=F64))  # running statistics move off their initial values
+    return {"module": bn, "buffers": gradaccum.buffers_of(bn)}
+
+
+W, B = torch.ones(1, 2, dtype=F64), torch.ones(1, dtype=F64)
+
+
+def world_params() -> dict[str, torch.Tensor]:
+    return {
+        "w1": torch.arange(12, dtype=F64).reshape(4, 3) / 10,
+        "b1": torch.zeros(4, dtype=F64),
+        "w2": torch.ones(4, dtype=F64),
+    }
+
+
+def world_loss(params: Any, batch: Any) -> torch.Tensor:
+    xs, ys = batch
+    h = torch.tanh(xs @ params["w1"].T + params["b1"])
+    return ((h @ params["w2"] - ys) ** 2).mean()
+
+
+def sharded(**kw: Any) -> NS:
+    """Params sharded over the world of one, with a sync, a batch and an optimizer on shards."""
+    p = world_params()
+    sp = gradaccum.shard(
+        p, param_groups=lambda path: "w" if "w" in path else "b", bucket_mb=1e-5, **kw
+    )
+    opt = torch.optim.SGD(list(sp.shards), lr=0.1, momentum=0.9)
+    for s in sp.shards:
+        s.grad = torch.ones_like(s)
+    opt.step()
+    return {"params": p, "sharded": sp, "opt": opt, "batch": (x(), y())}
+
+
+def mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))
+
+
+def dtensor() -> NS:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    dt = distribute_tensor(torch.randn(4, 2), mesh(), [Shard(0)])
+    return {"params": {"w": dt}, "batch": torch.ones(4, 2)}
+
+
+def fsdp_model() -> NS:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 3)
+    fully_shard(model, mesh=mesh())
+    return {"module": model, "grads": {"weight": torch.ones(3, 2), "bias": torch.ones(3)}}
+
+
+# -- n, reduction and the other options ---------------------------------------------------------
+
+BAD_N = [
+    ("0", 0, ValueError),
+    ("negative", -1, ValueError),
+    ("float", 2.5, TypeError),
+    ("bool", True, TypeError),
+    ("str", "4", TypeError),
+    ("None", None, TypeError),
+]
+for _id, _n, _exc in BAD_N:
+    case(
+        f"accumulate-n-{_id}",
+        dict,
+        lambda ns, n=_n: gradaccum.accumulate(step_fn, n),
+        _exc,
+        "n must be",
+    )
+    case(
+        f"Accumulator-n-{_id}",
+        dict,
+        lambda ns, n=_n: gradaccum.Accumulator(n=n),
+        _exc,
+        "n must be",
+    )
+
+for _id, _r in [("avg", "avg"), ("upper-case", "MEAN"), ("None", None), ("int", 1)]:
+    case(
+        f"accumulate-reduction-{_id}",
+        dict,
+        lambda ns, r=_r: gradaccum.accumulate(step_fn, 2, reduction=r),
+        ValueError,
+        "reduction",
+    )
+    case(
+        f"Accumulator-reduction-{_id}",
+        dict,
+        lambda ns, r=_r: gradaccum.Accumulator(2, reduction=r),
+        ValueError,
+        "reduction",
+    )
+
+case(
+    "accumulate-step_fn-not-callable",
+    dict,
+    lambda ns: gradaccum.accumulate(3, 2),  # type: ignore[arg-type]
+    TypeError,
+    "step_fn",
+)
+case(
+    "accumulate-accum_dtype-int32",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, accum_dtype=torch.int32),
+    TypeError,
+    "accum_dtype",
+)
+case(
+    "Accumulator-accum_dtype-str",
+    dict,
+    lambda ns: gradaccum.Accumulator(2, accum_dtype="float32"),  # type: ignore[arg-type]
+    TypeError,
+    "accum_dtype",
+)
+case(
+    "accumulate-has_aux-int",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, has_aux=1),  # type: ignore[arg-type]
+    TypeError,
+    "has_aux",
+)
+case(
+    "accumulate-count-reduction-without-count",
+    dict,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, reduction="count"),
+    ValueError,
+    "count=",
+)
+case(
+    "accumulate-count-reduction-without-has_aux",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, reduction="count", count=lambda aux: 1),
+    ValueError,
+    "has_aux",
+)
+case(
+    "accumulate-count-with-mean",
+    dict,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, count=lambda aux: 1),
+    ValueError,
+    "count=",
+    "reduction",
+)
+case(
+    "accumulate-aux_reduction-without-has_aux",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, aux_reduction="sum"),
+    ValueError,
+    "aux_reduction",
+    "has_aux",
+)
+case(
+    "accumulate-aux_reduction-unknown",
+    dict,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, aux_reduction="avg"),
+    ValueError,
+    "aux_reduction",
+)
+case(
+    "accumulate-aux_reduction-tree-leaf-unknown",
+    dict,
+    lambda ns: gradaccum.accumulate(
+        aux_fn, 2, has_aux=True, aux_reduction={"loss": "mean", "tokens": "avg"}
+    ),
+    ValueError,
+    "aux_reduction leaf ['tokens']",
+)
+case(
+    "accumulate-sync-not-a-sync",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, sync=3),  # type: ignore[arg-type]
+    TypeError,
+    "sync",
+)
+case(
+    "Accumulator-sync-not-a-sync",
+    dict,
+    lambda ns: gradaccum.Accumulator(2, sync="all_reduce"),  # type: ignore[arg-type]
+    TypeError,
+    "sync",
+)
+case(
+    "accumulate-micro_transform-not-callable",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, micro_transform=3),  # type: ignore[arg-type]
+    TypeError,
+    "micro_transform",
+)
+case(
+    "accumulate-batch_argnum-negative",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, batch_argnum=-1),
+    TypeError,
+    "batch_argnum",
+)
+case(
+    "accumulate-argnums-str",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, argnums="0"),  # type: ignore[arg-type]
+    TypeError,
+    "argnums",
+)
+case(
+    "accumulate-argnums-empty-tuple",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, argnums=()),
+    TypeError,
+    "argnums",
+)
+case(
+    "accumulate-argnums-negative",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, argnums=-1, batch_argnum=1),
+    ValueError,
+    "argnums",
+)
+case(
+    "accumulate-batch_argnum-in-argnums",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, argnums=(0, 1)),
+    ValueError,
+    "batch_argnum",
+    "argnums",
+)
+case(
+    "accumulate-grad-argnums-differ",
+    dict,
+    lambda ns: gradaccum.accumulate(
+        gradaccum.grad(mean_loss, argnums=1), 2, argnums=0, batch_argnum=2
+    ),
+    ValueError,
+    "argnums",
+)
+case(
+    "accumulate-grad_and_value-without-has_aux",
+    dict,
+    lambda ns: gradaccum.accumulate(gradaccum.grad_and_value(mean_loss), 2),
+    ValueError,
+    "has_aux",
+)
+
+# -- the batch ----------------------------------------------------------------------------------
+
+for _id, _batch in [
+    ("list-of-ints", [1, 2, 3]),
+    ("dict-of-int", {"x": 3}),
+    ("str", "abc"),
+    ("empty-dict", {}),
+    ("None", None),
+]:
+    case(
+        f"accumulate-batch-without-tensor-{_id}",
+        lambda b=_batch: {"params": params(), "batch": b},
+        lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+        ValueError,
+        "batch",
+    )
+case(
+    "accumulate-batch-0-dim-leaf",
+    lambda: {"params": params(), "batch": {"x": x(), "scale": torch.tensor(2.0, dtype=F64)}},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "batch leaf ['scale']",
+)
+case(
+    "accumulate-batch-rows-disagree",
+    lambda: {"params": params(), "batch": {"x": x(8), "y": y(6)}},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "['x']",
+    "['y']",
+)
+case(
+    "accumulate-batch-rows-disagree-nested",
+    lambda: {"params": params(), "batch": {"in": {"x": x(8)}, "out": [y(8), y(5)]}},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "['out'][1]",
+)
+case(
+    "accumulate-batch-numpy-leaf",
+    lambda: {"params": params(), "batch": {"x": x(), "y": np.linspace(-1.0, 1.0, 8)}},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    TypeError,
+    "batch leaf ['y']",
+)
+case(
+    "accumulate-n-more-than-rows",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 9)(ns["params"], ns["batch"]),
+    ValueError,
+    "n=9",
+)
+case(
+    "accumulate-batch-0-rows",
+    lambda: {"params": params(), "batch": (x(0), y(0))},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "0 rows",
+)
+case(
+    "accumulate-no-batch-argument",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"]),
+    TypeError,
+    "params",
+    "batch",
+)
+case(
+    "accumulate-batch-as-keyword",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], batch=ns["batch"]),
+    TypeError,
+    "positionally",
+)
+
+# -- the params ---------------------------------------------------------------------------------
+
+case(
+    "accumulate-params-leaf-float",
+    lambda: {"params": {"w": 1.0}, "batch": (x(), y())},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    TypeError,
+    "params leaf ['w']",
+)
+case(
+    "accumulate-params-leaf-int64",
+    lambda: {"params": {"w": torch.arange(3)}, "batch": (x(), y())},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(ns["params"], ns["batch"]),
+    TypeError,
+    "params leaf ['w']",
+)
+
+
+case(
+    "accumulate-empty-params-torch.func.grad",
+    lambda: {"params": {}, "batch": torch.ones(4, 2)},
+    lambda ns: gradaccum.accumulate(
+        torch.func.grad(lambda p, b: sum(v.sum() for v in p.values()) + 0 * b.sum()), n=2
+    )(ns["params"], ns["batch"]),
+    (ValueError, TypeError),
+    "params",
+    ("empty", "no leaf", "no leaves", "no tensor", "at least one"),
+    item=9,
+)
+
+
+def _sum_loss(p: Any, b: Any, *more: Any) -> torch.Tensor:
+    """A loss over whatever tensors the params hold (none, here)."""
+    trees = [p, *more]
+    return sum((v.sum() for t in trees for v in t.values()), 0 * b.sum())
+
+
+_NO_LEAF = ("empty", "no leaf", "no leaves", "no tensor", "at least one")
+for _id, _step, _args, _kw in [
+    ("gradaccum.grad", lambda: gradaccum.grad(_sum_loss), ({}, torch.ones(4, 2)), {}),
+    (
+        "gradaccum.grad_and_value",
+        lambda: gradaccum.grad_and_value(_sum_loss),
+        ({}, torch.ones(4, 2)),
+        {"has_aux": True},
+    ),
+    ("None", lambda: torch.func.grad(_sum_loss), (None, torch.ones(4, 2)), {}),
+    (
+        "argnums-tuple-torch.func.grad",
+        lambda: torch.func.grad(_sum_loss, argnums=(0, 2)),
+        ({}, torch.ones(4, 2), {}),
+        {"argnums": (0, 2)},
+    ),
+    (
+        "argnums-tuple-gradaccum.grad",
+        lambda: gradaccum.grad(_sum_loss, argnums=(0, 2)),
+        ({}, torch.ones(4, 2), {}),
+        {},
+    ),
+]:
+    case(
+        f"accumulate-empty-params-{_id}",
+        lambda a=_args: {"args": a},
+        lambda ns, st=_step, kw=_kw: gradaccum.accumulate(st(), 2, **kw)(*ns["args"]),
+        ValueError,
+        "params",
+        "argnums",
+        _NO_LEAF,
+        item=9,
+    )
+
+# -- what step_fn returns -----------------------------------------------------------------------
+
+ONE3, ONE = torch.ones(3, dtype=F64), torch.ones((), dtype=F64)
+BAD_GRADS: list[tuple[str, Any, Exc, str]] = [
+    ("missing-key", {"w": ONE3}, ValueError, "params tree"),
+    ("extra-key", {"w": ONE3, "b": ONE, "c": ONE}, ValueError, "params tree"),
+    ("renamed-key", {"w": ONE3, "bias": ONE}, ValueError, "params tree"),
+    ("list-vs-dict", [ONE3, ONE], ValueError, "params tree"),
+    ("float-leaf", {"w": 1.0, "b": ONE}, TypeError, "gradient leaf ['w']"),
+    ("wrong-shape", {"w": torch.ones(2, dtype=F64), "b": ONE}, ValueError, "gradient leaf ['w']"),
+    ("per-sample", {"w": torch.ones(4, 3, dtype=F64), "b": ONE}, ValueError, "gradient leaf ['w']"),
+    ("int64", {"w": torch.ones(3, dtype=torch.int64), "b": ONE}, TypeError, "gradient leaf ['w']"),
+    ("complex", {"w": ONE3, "b": torch.ones((), dtype=torch.complex128)}, TypeError, "leaf ['b']"),
+    ("None-leaf", {"w": None, "b": ONE}, TypeError, "gradient leaf ['w']"),
+]
+for _id, _out, _exc, _name in BAD_GRADS:
+    case(
+        f"accumulate-grads-{_id}",
+        pb,
+        lambda ns, out=_out: gradaccum.accumulate(returning(out), 2)(ns["params"], ns["batch"]),
+        _exc,
+        _name,
+    )
+    if _id != "None-leaf":
+        case(
+            f"Accumulator.add-grads-{_id}",
+            mid,
+            lambda ns, out=_out: ns["acc"].add(ns["state"], out, size=2),
+            _exc,
+            _name,
+        )
+
+for _id, _out in [
+    ("bare-tensor", ONE3),
+    ("grads-only", {"w": ONE3, "b": ONE}),
+    ("3-tuple", ({"w": ONE3, "b": ONE}, 1.0, 2.0)),
+    ("1-tuple", ({"w": ONE3, "b": ONE},)),
+]:
+    case(
+        f"accumulate-has_aux-output-{_id}",
+        pb,
+        lambda ns, out=_out: gradaccum.accumulate(returning(out), 2, has_aux=True)(
+            ns["params"], ns["batch"]
+        ),
+        TypeError,
+        "has_aux",
+        "(grads, aux)",
+    )
+case(
+    "accumulate-pair-without-has_aux",
+    pb,
+    lambda ns: gradaccum.accumulate(returning(({"w": ONE3, "b": ONE}, ONE)), 2)(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "has_aux=True",
+)
+case(
+    "accumulate-micro_transform-wrong-shape",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2, micro_transform=lambda g: {**g, "w": g["w"][:2]})(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "micro_transform",
+    "gradient leaf ['w']",
+)
+
+# -- counts and aux -----------------------------------------------------------------------------
+
+
+def _count_step(count: Any) -> Callable[..., Any]:
+    return gradaccum.accumulate(aux_fn, 2, has_aux=True, reduction="count", count=lambda a: count)
+
+
+for _id, _count, _exc, _item in [
+    ("negative", -3, ValueError, None),
+    ("str", "3", TypeError, None),
+    ("two-elements", torch.ones(2, dtype=F64), TypeError, None),
+    ("complex", torch.tensor(3 + 0j), TypeError, None),
+    ("bool-tensor", torch.tensor(True), TypeError, None),
+    ("nan", NAN, ValueError, 7),
+]:
+    case(
+        f"accumulate-count-{_id}",
+        pb,
+        lambda ns, c=_count: _count_step(c)(ns["params"], ns["batch"]),
+        _exc,
+        "count",
+        item=_item,
+    )
+case(
+    "accumulate-counts-add-up-to-0",
+    pb,
+    lambda ns: _count_step(0)(ns["params"], ns["batch"]),
+    ValueError,
+    "counts",
+)
+case(
+    "accumulate-aux_reduction-count-without-count-reduction",
+    pb,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, aux_reduction="count")(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "aux_reduction",
+    "reduction='count'",
+)
+case(
+    "accumulate-aux_reduction-not-a-prefix",
+    pb,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, aux_reduction={"loss": "mean"})(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "aux_reduction",
+)
+
+
+def _changing_aux() -> Callable[..., Any]:
+    calls: list[int] = []
+
+    def step_fn(params: Any, batch: Any) -> Any:
+        calls.append(1)
+        aux = {"loss": ONE} if len(calls) == 1 else {"loss": ONE, "extra": ONE}
+        return {"w": ONE3, "b": ONE}, aux
+
+    return step_fn
+
+
+case(
+    "accumulate-aux-tree-changes",
+    pb,
+    lambda ns: gradaccum.accumulate(_changing_aux(), 2, has_aux=True)(ns["params"], ns["batch"]),
+    ValueError,
+    "aux tree",
+)
+case(
+    "accumulate-aux-leaf-str-under-mean",
+    pb,
+    lambda ns: gradaccum.accumulate(
+        returning(({"w": ONE3, "b": ONE}, {"tag": "a"})), 2, has_aux=True
+    )(ns["params"], ns["batch"]),
+    TypeError,
+    "aux leaf ['tag']",
+)
+
+
+def _growing_aux() -> Callable[..., Any]:
+    """Aux leaf ['h'] has 1 element in the first micro-batch, 2 in the second."""
+    calls: list[int] = []
+
+    def step_fn(params: Any, batch: Any) -> Any:
+        calls.append(1)
+        return {"w": ONE3, "b": ONE}, {"h": torch.ones(len(calls), dtype=F64)}
+
+    return step_fn
+
+
+case(
+    "accumulate-aux_reduction-stack-str-leaf",
+    pb,
+    lambda ns: gradaccum.accumulate(
+        returning(({"w": ONE3, "b": ONE}, {"tag": "a"})), 2, has_aux=True, aux_reduction="stack"
+    )(ns["params"], ns["batch"]),
+    TypeError,
+    "aux leaf ['tag']",
+)
+case(
+    "accumulate-aux_reduction-stack-shapes-differ",
+    pb,
+    lambda ns: gradaccum.accumulate(_growing_aux(), 2, has_aux=True, aux_reduction="stack")(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "aux leaf ['h']",
+)
+
+# -- MicroBatches -------------------------------------------------------------------------------
+
+for _id, _batches in [
+    ("tensor", torch.ones(3, 2, dtype=F64)),
+    ("dict", {"a": torch.ones(2, dtype=F64)}),
+    ("iterator", iter([torch.ones(2, dtype=F64)])),
+    ("int", 3),
+    ("None", None),
+    ("str", "ab"),
+]:
+    case(
+        f"MicroBatches-{_id}",
+        lambda b=_batches: {"batches": b},
+        lambda ns: gradaccum.MicroBatches(ns["batches"]),
+        TypeError,
+        "batches",
+        "list",
+    )
+case(
+    "MicroBatches-empty",
+    lambda: {"batches": []},
+    lambda ns: gradaccum.MicroBatches(ns["batches"]),
+    ValueError,
+    "micro-batch",
+)
+case(
+    "accumulate-MicroBatches-0-rows",
+    lambda: {"params": params(), "batches": [(x(3), y(3)), (x(0), y(0))]},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(
+        ns["params"], gradaccum.MicroBatches(ns["batches"])
+    ),
+    ValueError,
+    "micro-batch 1",
+)
+case(
+    "accumulate-MicroBatches-without-tensor",
+    lambda: {"params": params(), "batches": [(x(3), y(3)), [1, 2]]},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(
+        ns["params"], gradaccum.MicroBatches(ns["batches"])
+    ),
+    ValueError,
+    "micro-batch 1",
+)
+case(
+    "accumulate-MicroBatches-rows-disagree",
+    lambda: {"params": params(), "batches": [(x(3), y(3)), (x(3), y(2))]},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(
+        ns["params"], gradaccum.MicroBatches(ns["batches"])
+    ),
+    ValueError,
+    "micro-batch 1",
+    "[1] has 2",
+)
+_MB_INDEX = ("micro-batch 1", "micro_batch 1", "batches[1]", "index 1")
+case(
+    "MicroBatches-mismatched-keys",
+    lambda: {"batches": [{"x": x(3)}, {"y": x(3)}]},
+    lambda ns: gradaccum.MicroBatches(ns["batches"]),
+    ValueError,
+    _MB_INDEX,
+    "'y'",
+    item=10,
+)
+case(
+    "MicroBatches-mismatched-nested",
+    lambda: {"batches": [{"a": {"x": x(3)}, "b": y(3)}, {"a": {"y": x(3)}, "b": y(3)}]},
+    lambda ns: gradaccum.MicroBatches(ns["batches"]),
+    ValueError,
+    _MB_INDEX,
+    "['a']",
+    item=10,
+)
+
+# -- gradaccum.grad / grad_and_value ------------------------------------------------------------
+
+case(
+    "grad-fn-not-callable",
+    dict,
+    lambda ns: gradaccum.grad("loss"),  # type: ignore[arg-type]
+    TypeError,
+    "fn",
+)
+case(
+    "grad-argnums-negative",
+    dict,
+    lambda ns: gradaccum.grad(mean_loss, argnums=-1),
+    TypeError,
+    "argnums",
+)
+case(
+    "grad-argnums-duplicate",
+    dict,
+    lambda ns: gradaccum.grad(mean_loss, argnums=(0, 0)),
+    TypeError,
+    "argnums",
+)
+case(
+    "grad_and_value-has_aux-int",
+    dict,
+    lambda ns: gradaccum.grad_and_value(mean_loss, has_aux=1),  # type: ignore[arg-type]
+    TypeError,
+    "has_aux",
+)
+case(
+    "grad-loss-not-scalar",
+    pb,
+    lambda ns: gradaccum.grad(lambda p, b: p["w"] * 2)(ns["params"], ns["batch"]),
+    TypeError,
+    "scalar",
+)
+case(
+    "grad-has_aux-not-a-pair",
+    pb,
+    lambda ns: gradaccum.grad(mean_loss, has_aux=True)(ns["params"], ns["batch"]),
+    TypeError,
+    "has_aux",
+)
+case(
+    "grad-loss-int",
+    pb,
+    lambda ns: gradaccum.grad(lambda p, b: torch.tensor(1))(ns["params"], ns["batch"]),
+    TypeError,
+    "loss",
+)
+case(
+    "grad-too-few-args",
+    dict,
+    lambda ns: gradaccum.grad(mean_loss, argnums=1)(params()),
+    TypeError,
+    "params",
+)
+case(
+    "grad-params-int-leaf",
+    lambda: {"params": {"w": torch.arange(3), "b": torch.zeros(())}, "batch": (x(), y())},
+    lambda ns: gradaccum.grad(mean_loss)(ns["params"], ns["batch"]),
+    TypeError,
+    "params leaf ['w']",
+)
+case(
+    "accumulate-grad-loss-not-scalar",
+    pb,
+    lambda ns: gradaccum.accumulate(gradaccum.grad(lambda p, b: p["w"] * 2), 2)(
+        ns["params"], ns["batch"]
+    ),
+    TypeError,
+    "scalar",
+)
+
+# -- Accumulator --------------------------------------------------------------------------------
+
+
+def _schedule_window_1(n: Any) -> NS:
+    acc = gradaccum.Accumulator(n=lambda window: [1, n][window])
+    state = acc.add(acc.init(params()), grads(), size=2)
+    out, state = acc.finalize(state)
+    return {"acc": acc, "state": state, "out": out}
+
+
+for _id, _n, _exc in [("0", 0, ValueError), ("float", 2.5, TypeError)]:
+    case(
+        f"Accumulator-schedule-returns-{_id}-is_complete",
+        lambda n=_n: _schedule_window_1(n),
+        lambda ns: ns["acc"].is_complete(ns["state"]),
+        _exc,
+        "schedule",
+        "n must be",
+    )
+    case(
+        f"Accumulator-schedule-returns-{_id}-window_size",
+        lambda n=_n: _schedule_window_1(n),
+        lambda ns: ns["acc"].window_size(ns["state"]),
+        _exc,
+        "schedule",
+        "n must be",
+    )
+case(
+    "Accumulator.init-params-leaf-str",
+    lambda: {"acc": gradaccum.Accumulator(2), "params": {"w": "weights"}},
+    lambda ns: ns["acc"].init(ns["params"]),
+    TypeError,
+    "params leaf ['w']",
+)
+case(
+    "Accumulator.init-params-int-tensor",
+    lambda: {"acc": gradaccum.Accumulator(2), "params": {"w": torch.arange(3)}},
+    lambda ns: ns["acc"].init(ns["params"]),
+    TypeError,
+    "params leaf ['w']",
+)
+for _method, _call in [
+    ("add", lambda ns: ns["acc"].add(ns["params"], ns["grads"], size=2)),
+    ("is_complete", lambda ns: ns["acc"].is_complete(ns["params"])),
+    ("finalize", lambda ns: ns["acc"].finalize(ns["params"])),
+    ("abort", lambda ns: ns["acc"].abort(ns["params"])),
+    ("state_dict", lambda ns: ns["acc"].state_dict(ns["params"])),
+    ("load_state_dict", lambda ns: ns["acc"].load_state_dict(ns["params"], {})),
+]:
+    case(
+        f"Accumulator.{_method}-state-not-a-state",
+        mid,
+        _call,
+        TypeError,
+        "state must be an AccumState",
+    )
+case(
+    "Accumulator.add-without-size",
+    mid,
+    lambda ns: ns["acc"].add(ns["state"], ns["grads"]),
+    ValueError,
+    "size=",
+)
+for _id, _size, _exc in [
+    ("0", 0, ValueError),
+    ("negative", -2, ValueError),
+    ("str", "3", TypeError),
+    ("float", 2.5, TypeError),
+    ("bool", True, TypeError),
+]:
+    case(
+        f"Accumulator.add-size-{_id}",
+        mid,
+        lambda ns, s=_size: ns["acc"].add(ns["state"], ns["grads"], size=s),
+        _exc,
+        "size",
+    )
+case(
+    "Accumulator.add-count-under-mean",
+    mid,
+    lambda ns: ns["acc"].add(ns["state"], ns["grads"], size=2, count=7),
+    ValueError,
+    "count=",
+)
+case(
+    "Accumulator.add-no-count-under-count",
+    lambda: mid(reduction="count"),
+    lambda ns: ns["acc"].add(ns["state"], ns["grads"], size=3),
+    ValueError,
+    "count=",
+)
+for _id, _count, _exc, _item in [
+    ("negative", -1, ValueError, None),
+    ("str", "3", TypeError, None),
+    ("two-elements", torch.ones(2), TypeError, None),
+    ("nan", NAN, ValueError, 7),
+]:
+    case(
+        f"Accumulator.add-count-{_id}",
+        lambda: mid(n=2, reduction="count"),
+        lambda ns, c=_count: ns["acc"].add(ns["state"], ns["grads"], count=c),
+        _exc,
+        "count",
+        item=_item,
+    )
+case(
+    "Accumulator.add-count-nan-fresh-state",
+    lambda: fresh(n=2, reduction="count"),
+    lambda ns: ns["acc"].add(ns["state"], ns["grads"], count=NAN),
+    ValueError,
+    "count",
+    item=7,
+)
+for _red in ["mean", "sum", "count"]:
+    case(
+        f"Accumulator.finalize-empty-window-{_red}",
+        lambda r=_red: fresh(reduction=r),
+        lambda ns: ns["acc"].finalize(ns["state"]),
+        ValueError,
+        "add()",
+    )
+case(
+    "Accumulator.finalize-counts-add-up-to-0",
+    lambda: {**fresh(n=2, reduction="count")},
+    lambda ns: ns["acc"].finalize(ns["acc"].add(ns["state"], ns["grads"], count=0)),
+    ValueError,
+    "counts",
+)
+
+# -- a consumed Accumulator state (item 2) --------------------------------------------------------
+
+
+def _added_twice() -> NS:
+    """state1 held sums and was passed to add: state2 is the current state."""
+    ns = fresh()
+    acc = ns["acc"]
+    state1 = acc.add(ns["state"], grads(1.0), size=1)
+    state2 = acc.add(state1, grads(2.0), size=1)
+    return {**ns, "state1": state1, "state2": state2}
+
+
+def _finalized() -> NS:
+    """state1 held sums and was finalized: its gradients and the next state are returned."""
+    ns = fresh()
+    acc = ns["acc"]
+    state1 = acc.add(ns["state"], grads(1.0), size=1)
+    state1 = acc.add(state1, grads(3.0), size=3)
+    out, nxt = acc.finalize(state1)
+    return {**ns, "state1": state1, "out": out, "next": nxt}
+
+
+_CONSUMED = ("consumed",)
+_USE_RETURNED = ("returned", "return")
+case(
+    "Accumulator.add-state-consumed-by-add",
+    _added_twice,
+    lambda ns: ns["acc"].add(ns["state1"], grads(5.0), size=1),
+    ValueError,
+    _CONSUMED,
+    _USE_RETURNED,
+    item=2,
+)
+case(
+    "Accumulator.finalize-state-consumed-by-add",
+    _added_twice,
+    lambda ns: ns["acc"].finalize(ns["state1"]),
+    ValueError,
+    _CONSUMED,
+    _USE_RETURNED,
+    item=2,
+)
+case(
+    "Accumulator.add-state-consumed-by-finalize",
+    _finalized,
+    lambda ns: ns["acc"].add(ns["state1"], grads(5.0), size=1),
+    ValueError,
+    _CONSUMED,
+    _USE_RETURNED,
+    item=2,
+)
+case(
+    "Accumulator.finalize-state-consumed-by-finalize",
+    _finalized,
+    lambda ns: ns["acc"].finalize(ns["state1"]),
+    ValueError,
+    _CONSUMED,
+    _USE_RETURNED,
+    item=2,
+)
+case(
+    "Accumulator.state_dict-state-consumed-by-finalize",
+    _finalized,
+    lambda ns: ns["acc"].state_dict(ns["state1"]),
+    ValueError,
+    _CONSUMED,
+    _USE_RETURNED,
+    item=2,
+)
+
+# -- Accumulator.load_state_dict ----------------------------------------------------------------
+
+LOAD_BAD: list[tuple[str, Callable[[], NS], str | tuple[str, ...], int | None]] = [
+    ("list", lambda: {**mid(), "sd": [1, 2]}, "state_dict", None),
+    ("None", lambda: {**mid(), "sd": None}, "state_dict", None),
+    ("tensor", lambda: {**mid(), "sd": torch.ones(2, dtype=F64)}, "state_dict", None),
+    (
+        "module-state-dict",
+        lambda: {**mid(), "sd": torch.nn.Linear(2, 1).state_dict()},
+        "format",
+        None,
+    ),
+    ("empty-dict", lambda: {**mid(), "sd": {}}, "format", None),
+    (
+        "other-format",
+        lambda: saved(lambda sd: sd.update(format="gradaccum.AccumState/0")),
+        "format",
+        None,
+    ),
+    ("no-sums-key", lambda: saved(lambda sd: sd.pop("sums")), "'sums'", None),
+    ("short-shapes", lambda: saved(lambda sd: sd["shapes"].pop()), "shapes", None),
+    ("paths-int", lambda: saved(lambda sd: sd.update(paths=3)), "paths", None),
+    ("short-sums", lambda: saved(lambda sd: sd["sums"].pop()), "running sums", None),
+    ("micro_step-str", lambda: saved(lambda sd: sd.update(micro_step="x")), "micro_step", None),
+    ("micro_step-negative", lambda: saved(lambda sd: sd.update(micro_step=-1)), "micro_step", 5),
+    ("micro_step-more-than-n", lambda: saved(lambda sd: sd.update(micro_step=5)), "micro_step", 5),
+    ("window-negative", lambda: saved(lambda sd: sd.update(window=-1)), "window", None),
+    ("window-str", lambda: saved(lambda sd: sd.update(window="x")), "window", None),
+    ("weight-str", lambda: saved(lambda sd: sd.update(weight="x")), "weight", None),
+    ("weight-1-dim", lambda: saved(lambda sd: sd.update(weight=torch.ones(2))), "weight", None),
+    ("weight-0-mid-window", lambda: saved(lambda sd: sd.update(weight=0)), "weight", 5),
+    ("weight-negative", lambda: saved(lambda sd: sd.update(weight=-1)), "weight", 5),
+    ("weight-nan", lambda: saved(lambda sd: sd.update(weight=NAN)), "weight", 5),
+    ("sums-None-mid-window", lambda: saved(lambda sd: sd.update(sums=None)), "sums", 5),
+    (
+        "different-keys",
+        lambda: saved_other({"w": torch.zeros(3, dtype=F64), "c": torch.zeros((), dtype=F64)}),
+        "['b']",
+        None,
+    ),
+    ("missing-key", lambda: saved_other({"w": torch.zeros(3, dtype=F64)}), "['b']", None),
+    (
+        "different-shape",
+        lambda: saved_other({"w": torch.zeros(4, dtype=F64), "b": torch.zeros((), dtype=F64)}),
+        "['w']",
+        None,
+    ),
+    (
+        "different-dtype",
+        lambda: saved_other({"w": torch.zeros(3), "b": torch.zeros(())}),
+        "float32",
+        None,
+    ),
+    ("different-reduction", lambda: saved_other(params(), reduction="sum"), "reduction", None),
+    (
+        "different-accum_dtype",
+        lambda: saved_other(params(), accum_dtype=torch.float32),
+        "accum_dtype",
+        None,
+    ),
+]
+for _id, _setup, _name, _item in LOAD_BAD:
+    case(
+        f"Accumulator.load_state_dict-{_id}",
+        _setup,
+        lambda ns: ns["acc"].load_state_dict(ns["state"], ns["sd"]),
+        gradaccum.GradAccumError,
+        _name,
+        item=_item,
+    )
+
+
+class _OwnLayout:
+    """A layout gradaccum did not make (e.g. an AccumState built by hand)."""
+
+
+def _foreign_layout() -> NS:
+    ns = saved()
+    return {**ns, "state": ns["state"]._replace(layout=_OwnLayout())}
+
+
+for _method, _call in [
+    ("add", lambda ns: ns["acc"].add(ns["state"], ns["grads"], size=2)),
+    ("load_state_dict", lambda ns: ns["acc"].load_state_dict(ns["state"], ns["sd"])),
+]:
+    case(
+        f"Accumulator.{_method}-state-layout-foreign",
+        _foreign_layout,
+        _call,
+        TypeError,
+        "state",
+        "layout",
+        absent=("got AccumState;", "got AccumState."),
+    )
+case(
+    "Accumulator.load_state_dict-weight-0-into-fresh-state",
+    lambda: {**fresh(), "sd": saved(lambda sd: sd.update(weight=0))["sd"]},
+    lambda ns: ns["acc"].load_state_dict(ns["state"], ns["sd"]),
+    gradaccum.GradAccumError,
+    "weight",
+    item=5,
+)
+
+# -- nn.Module interop --------------------------------------------------------------------------
+
+for _id, _new, _exc, _name in [
+    ("missing", {"weight": W}, ValueError, "['bias']"),
+    ("extra", {"weight": W, "bias": B, "scale": B}, ValueError, "['scale']"),
+    ("renamed", {"weight": W, "b": B}, ValueError, "['b']"),
+    ("wrong-shape", {"weight": W, "bias": torch.ones(2, dtype=F64)}, ValueError, "grads['bias']"),
+    ("list", [W, B], TypeError, "grads"),
+    ("int64", {"weight": W, "bias": torch.ones(1, dtype=torch.int64)}, TypeError, "grads['bias']"),
+    ("str-value", {"weight": W, "bias": "g"}, ValueError, "grads['bias']"),
+]:
+    for _grad in (True, False):
+        case(
+            f"write_grads-{_id}-{'grad-set' if _grad else 'grad-None'}",
+            lambda g=_grad: linear(with_grad=g),
+            lambda ns, new=_new: gradaccum.write_grads(ns["module"], new),
+            _exc,
+            _name,
+        )
+
+case(
+    "update_buffers-unknown-name-dict",
+    batchnorm,
+    lambda ns: gradaccum.update_buffers(
+        ns["buffers"], {"running_mean": torch.zeros(3, dtype=F64), "running_avg": torch.ones(3)}
+    ),
+    KeyError,
+    "running_avg",
+)
+case(
+    "update_buffers-unknown-name-module",
+    batchnorm,
+    lambda ns: gradaccum.update_buffers(ns["module"], {"running_avg": torch.ones(3)}),
+    KeyError,
+    "running_avg",
+)
+for _id, _value in [
+    ("4", torch.ones(4, dtype=F64)),
+    ("0-dim", torch.tensor(5.0, dtype=F64)),
+    ("float", 1.0),
+]:
+    case(
+        f"update_buffers-wrong-shape-{_id}",
+        batchnorm,
+        lambda ns, v=_value: gradaccum.update_buffers(
+            ns["buffers"], {"running_mean": torch.zeros(3, dtype=F64), "running_var": v}
+        ),
+        ValueError,
+        "new_buffers['running_var']",
+    )
+case(
+    "update_buffers-new_buffers-list",
+    batchnorm,
+    lambda ns: gradaccum.update_buffers(ns["module"], [torch.ones(3, dtype=F64)]),
+    TypeError,
+    "new_buffers",
+)
+case(
+    "update_buffers-buffers-list",
+    batchnorm,
+    lambda ns: gradaccum.update_buffers(list(ns["buffers"].values()), {}),  # type: ignore[arg-type]
+    TypeError,
+    "buffers must be",
+)
+case(
+    "update_buffers-float-into-int-buffer-module",
+    batchnorm,
+    lambda ns: gradaccum.update_buffers(ns["module"], {"num_batches_tracked": torch.tensor(1.5)}),
+    TypeError,
+    "num_batches_tracked",
+    item=11,
+)
+case(
+    "update_buffers-float-into-int-buffer-dict",
+    batchnorm,
+    lambda ns: gradaccum.update_buffers(
+        ns["buffers"],
+        {"running_mean": torch.zeros(3, dtype=F64), "num_batches_tracked": torch.tensor(1.5)},
+    ),
+    TypeError,
+    "num_batches_tracked",
+    item=11,
+)
+
+# Something else than a module where a module is expected (item 8).
+case(
+    "params_of-dict",
+    lambda: {"module": {}},
+    lambda ns: gradaccum.params_of(ns["module"]),
+    TypeError,
+    "module",
+    item=8,
+)
+case(
+    "params_of-state_dict",
+    lambda: {"module": linear()["module"].state_dict()},
+    lambda ns: gradaccum.params_of(ns["module"]),
+    TypeError,
+    "module",
+    item=8,
+)
+case(
+    "buffers_of-dict",
+    lambda: {"module": {"running_mean": torch.zeros(3)}},
+    lambda ns: gradaccum.buffers_of(ns["module"]),
+    TypeError,
+    "module",
+    item=8,
+)
+case(
+    "write_grads-module-dict",
+    lambda: {"module": {"weight": W.clone(), "bias": B.clone()}},
+    lambda ns: gradaccum.write_grads(ns["module"], {"weight": W, "bias": B}),
+    TypeError,
+    "module",
+    item=8,
+)
+case(
+    "call_module-module-dict",
+    lambda: {"module": {"weight": W.clone(), "bias": B.clone()}, "x": torch.ones(3, 2, dtype=F64)},
+    lambda ns: gradaccum.call_module(ns["module"], {"weight": W, "bias": B}, {}, ns["x"]),
+    TypeError,
+    "module",
+    item=8,
+)
+
+# call_module with a misspelled parameter key (item 3).
+case(
+    "call_module-misspelled-key",
+    linear,
+    lambda ns: gradaccum.call_module(
+        ns["module"], {"weigth": W.clone(), "bias": B.clone()}, {}, ns["x"]
+    ),
+    ValueError,
+    "'weight'",
+    "'weigth'",
+    item=3,
+)
+
+
+# Params taken before the module was moved (item 4).
+def _moved() -> NS:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 1)
+    p = gradaccum.params_of(lin)
+    lin.double()
+    return {
+        "module": lin,
+        "params": p,
+        "x": torch.ones(4, 2, dtype=F64),
+        "y": torch.zeros(4, dtype=F64),
+    }
+
+
+_STALE = ("params_of",), ("stale", "no longer", "storage")
+
+
+def _moved_step(ns: NS) -> Any:
+    lin = ns["module"]
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        out, _ = gradaccum.call_module(lin, p, {}, batch[0])
+        return ((out.squeeze(-1) - batch[1]) ** 2).mean()
+
+    return gradaccum.accumulate(gradaccum.grad(loss_fn), 2)(ns["params"], (ns["x"], ns["y"]))
+
+
+case(
+    "call_module-params-stale-after-to",
+    _moved,
+    lambda ns: gradaccum.call_module(ns["module"], ns["params"], {}, ns["x"]),
+    (gradaccum.GradAccumError, ValueError),
+    *_STALE,
+    item=4,
+)
+case(
+    "accumulate-call_module-params-stale-after-to",
+    _moved,
+    _moved_step,
+    (gradaccum.GradAccumError, ValueError),
+    *_STALE,
+    item=4,
+)
+case(
+    "call_module-params-not-a-dict",
+    linear,
+    lambda ns: gradaccum.call_module(ns["module"], [W, B], {}, ns["x"]),
+    TypeError,
+    "params",
+)
+case(
+    "call_module-buffers-not-a-dict",
+    linear,
+    lambda ns: gradaccum.call_module(
+        ns["module"], gradaccum.params_of(ns["module"]), None, ns["x"]
+    ),
+    TypeError,
+    "buffers",
+)
+
+# -- boundary transforms ------------------------------------------------------------------------
+
+for _id, _norm in [("0", 0), ("negative", -1.0), ("str", "1"), ("bool", True), ("nan", NAN)]:
+    case(
+        f"clip_by_global_norm-max_norm-{_id}",
+        lambda: {"grads": grads()},
+        lambda ns, m=_norm: gradaccum.clip_by_global_norm(ns["grads"], m),
+        ValueError,
+        "max_norm",
+    )
+case(
+    "clip_by_global_norm-group-str",
+    lambda: {"grads": grads()},
+    lambda ns: gradaccum.clip_by_global_norm(ns["grads"], 1.0, group="x"),
+    TypeError,
+    "group",
+)
+case(
+    "clip_by_global_norm-int-leaf",
+    lambda: {"grads": {"w": torch.ones(2, dtype=torch.int64)}},
+    lambda ns: gradaccum.clip_by_global_norm(ns["grads"], 1.0),
+    TypeError,
+    "gradient leaf ['w']",
+)
+for _id, _kw, _name, _item in [
+    ("init_scale-0", {"init_scale": 0}, "init_scale", None),
+    ("init_scale-negative", {"init_scale": -1.0}, "init_scale", None),
+    ("init_scale-str", {"init_scale": "1"}, "init_scale", None),
+    ("init_scale-nan", {"init_scale": NAN}, "init_scale", None),
+    ("init_scale-inf", {"init_scale": INF}, "init_scale", 6),
+    ("growth_factor-below-1", {"growth_factor": 0.5}, "growth_factor", None),
+    ("backoff_factor-above-1", {"backoff_factor": 2.0}, "backoff_factor", None),
+    ("backoff_factor-0", {"backoff_factor": 0}, "backoff_factor", None),
+    ("growth_interval-0", {"growth_interval": 0}, "growth_interval", None),
+    ("growth_interval-float", {"growth_interval": 1.5}, "growth_interval", None),
+    ("growth_factor-inf", {"growth_factor": INF}, "growth_factor", None),
+    ("min_scale-0", {"min_scale": 0}, "min_scale", None),
+    ("min_scale-inf", {"min_scale": INF}, "min_scale", None),
+    ("init_scale-below-min_scale", {"init_scale": 0.5, "min_scale": 1.0}, "min_scale", None),
+]:
+    case(
+        f"LossScale-{_id}",
+        dict,
+        lambda ns, kw=_kw: gradaccum.LossScale(**kw),
+        ValueError,
+        _name,
+        item=_item,
+    )
+case(
+    "LossScale.unscale-state-float",
+    lambda: {"grads": grads()},
+    lambda ns: gradaccum.LossScale().unscale(ns["grads"], 65536.0),  # type: ignore[arg-type]
+    TypeError,
+    "state",
+)
+case(
+    "LossScale.unscale-state-scale-inf",
+    lambda: {"grads": grads()},
+    lambda ns: gradaccum.LossScale().unscale(ns["grads"], gradaccum.LossScaleState(INF, 0)),
+    ValueError,
+    "state.scale",
+)
+case(
+    "LossScale.unscale-group-str",
+    lambda: {"grads": grads(), "state": gradaccum.LossScale().init()},
+    lambda ns: gradaccum.LossScale().unscale(ns["grads"], ns["state"], group="x"),
+    TypeError,
+    "group",
+)
+case(
+    "LossScale.unscale-int-leaf",
+    lambda: {
+        "grads": {"w": torch.ones(2, dtype=torch.int64)},
+        "state": gradaccum.LossScale().init(),
+    },
+    lambda ns: gradaccum.LossScale().unscale(ns["grads"], ns["state"]),
+    TypeError,
+    "gradient leaf ['w']",
+)
+
+# -- syncs and reductions: construction (no process group needed) ------------------------------
+
+for _id, _kw, _exc, _name in [
+    ("bucket_mb-0", {"bucket_mb": 0}, ValueError, "bucket_mb"),
+    ("bucket_mb-str", {"bucket_mb": "25"}, ValueError, "bucket_mb"),
+    ("check-unknown", {"check": "sometimes"}, ValueError, "check"),
+    ("timeout-0", {"timeout": 0}, ValueError, "timeout"),
+    ("bucket_mb-nan", {"bucket_mb": NAN}, ValueError, "bucket_mb"),
+    ("bucket_mb-inf", {"bucket_mb": INF}, ValueError, "bucket_mb"),
+    ("timeout-nan", {"timeout": NAN}, ValueError, "timeout"),
+    ("overlap-int", {"overlap": 1}, TypeError, "overlap"),
+    ("group-str", {"group": "world"}, TypeError, "group"),
+]:
+    case(
+        f"all_reduce-{_id}",
+        dict,
+        lambda ns, kw=_kw: gradaccum.all_reduce(**kw),
+        _exc,
+        _name,
+    )
+case(
+    "AllReduce.plan-int-leaf",
+    dict,
+    lambda ns: gradaccum.all_reduce().plan({"w": torch.arange(3)}),
+    TypeError,
+    "params leaf ['w']",
+)
+case(
+    "accumulate-all_reduce-without-process-group",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2, sync=gradaccum.all_reduce())(
+        ns["params"], ns["batch"]
+    ),
+    RuntimeError,
+    "init_process_group",
+)
+case(
+    "Accumulator.finalize-all_reduce-without-process-group",
+    lambda: mid(sync=gradaccum.all_reduce()),
+    lambda ns: ns["acc"].finalize(ns["state"]),
+    RuntimeError,
+    "init_process_group",
+)
+case(
+    "shard-without-process-group",
+    lambda: {"params": world_params()},
+    lambda ns: gradaccum.shard(ns["params"]),
+    RuntimeError,
+    "init_process_group",
+)
+for _id, _kw, _exc, _name in [
+    ("fn-not-callable", {"fn": 3}, TypeError, "fn"),
+    ("init-not-callable", {"init": 0}, TypeError, "init"),
+    ("timeout-0", {"timeout": 0}, ValueError, "timeout"),
+    ("timeout-str", {"timeout": "60"}, ValueError, "timeout"),
+    ("timeout-nan", {"timeout": NAN}, ValueError, "timeout"),
+    ("timeout-inf", {"timeout": INF}, ValueError, "timeout"),
+]:
+    case(
+        f"custom_reduce-{_id}",
+        dict,
+        lambda ns, kw=_kw: gradaccum.custom_reduce(**{"fn": lambda g, s, pg: (g, s), **kw}),
+        _exc,
+        _name,
+    )
+case(
+    "custom_reduce-group-without-process-group",
+    pb,
+    lambda ns: gradaccum.accumulate(
+        step_fn, 2, sync=gradaccum.custom_reduce(lambda g, s, pg: (g, s), group=object())
+    )(ns["params"], ns["batch"]),
+    RuntimeError,
+    "init_process_group",
+)
+case(
+    "custom_reduce-fn-returns-not-a-pair",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2, sync=gradaccum.custom_reduce(lambda g, s, pg: g))(
+        ns["params"], ns["batch"]
+    ),
+    TypeError,
+    "(grads, state)",
+)
+case(
+    "custom_reduce-fn-returns-wrong-shape",
+    pb,
+    lambda ns: gradaccum.accumulate(
+        step_fn, 2, sync=gradaccum.custom_reduce(lambda g, s, pg: ({**g, "w": g["w"][:2]}, s))
+    )(ns["params"], ns["batch"]),
+    ValueError,
+    "shaped like",
+)
+case(
+    "custom_reduce-rows-add-up-to-0",
+    lambda: {"params": params(), "batch": (x(0), y(0))},
+    lambda ns: gradaccum.accumulate(
+        step_fn, 2, sync=gradaccum.custom_reduce(lambda g, s, pg: (g, s))
+    )(ns["params"], ns["batch"]),
+    ValueError,
+    "rows",
+)
+for _id, _kw, _name in [
+    ("dtype-float32", {"dtype": torch.float32}, "dtype"),
+    ("bucket_mb-0", {"bucket_mb": 0}, "bucket_mb"),
+    ("bucket_mb-nan", {"bucket_mb": NAN}, "bucket_mb"),
+    ("bucket_mb-inf", {"bucket_mb": INF}, "bucket_mb"),
+    ("timeout-nan", {"timeout": NAN}, "timeout"),
+]:
+    case(
+        f"compressed_all_reduce-{_id}",
+        dict,
+        lambda ns, kw=_kw: gradaccum.compressed_all_reduce(**{"dtype": torch.bfloat16, **kw}),
+        ValueError,
+        _name,
+    )
+for _id, _ratio in [("0", 0), ("above-1", 1.5), ("negative", -0.1), ("bool", True)]:
+    case(
+        f"topk_all_reduce-ratio-{_id}",
+        dict,
+        lambda ns, r=_ratio: gradaccum.topk_all_reduce(ratio=r),
+        ValueError,
+        "ratio",
+    )
+for _id, _rank in [("0", 0), ("float", 2.0)]:
+    case(
+        f"powersgd-rank-{_id}",
+        dict,
+        lambda ns, r=_rank: gradaccum.powersgd(rank=r),
+        ValueError,
+        "rank",
+    )
+case(
+    "powersgd-seed-float",
+    dict,
+    lambda ns: gradaccum.powersgd(rank=2, seed=1.5),  # type: ignore[arg-type]
+    ValueError,
+    "seed",
+)
+for _id, _args, _kw, _name in [
+    ("noise_multiplier-negative", (-1.0, 1.0, 4), {}, "noise_multiplier"),
+    ("max_norm-0", (1.0, 0, 4), {}, "max_norm"),
+    ("expected_batch_size-0", (1.0, 1.0, 0), {}, "expected_batch_size"),
+    ("seed-float", (1.0, 1.0, 4), {"seed": 1.5}, "seed"),
+    ("noise_multiplier-nan", (NAN, 1.0, 4), {}, "noise_multiplier"),
+    ("noise_multiplier-inf", (INF, 1.0, 4), {}, "noise_multiplier"),
+    ("max_norm-nan", (1.0, NAN, 4), {}, "max_norm"),
+    ("max_norm-inf", (1.0, INF, 4), {}, "max_norm"),
+    ("expected_batch_size-nan", (1.0, 1.0, NAN), {}, "expected_batch_size"),
+    ("expected_batch_size-inf", (1.0, 1.0, INF), {}, "expected_batch_size"),
+]:
+    case(
+        f"dp_noise-{_id}",
+        dict,
+        lambda ns, a=_args, kw=_kw: gradaccum.dp_noise(*a, **kw),
+        ValueError,
+        _name,
+    )
+for _id, _norm in [("0", 0), ("nan", NAN), ("inf", INF)]:
+    case(
+        f"clip_per_sample-max_norm-{_id}",
+        dict,
+        lambda ns, m=_norm: gradaccum.clip_per_sample(m),
+        ValueError,
+        "max_norm",
+    )
+case(
+    "clip_per_sample-leading-dims-differ",
+    lambda: {"grads": {"w": torch.ones(3, 2, dtype=F64), "b": torch.ones(2, dtype=F64)}},
+    lambda ns: gradaccum.clip_per_sample(1.0)(ns["grads"]),
+    ValueError,
+    "leaf ['w']",
+)
+
+# -- testing.compare ----------------------------------------------------------------------------
+
+case(
+    "testing.compare-n-0",
+    pb,
+    lambda ns: gradaccum.testing.compare(step_fn, ns["params"], ns["batch"], 0),
+    ValueError,
+    "n must be",
+)
+case(
+    "testing.compare-count-without-count",
+    pb,
+    lambda ns: gradaccum.testing.compare(
+        aux_fn, ns["params"], ns["batch"], 2, has_aux=True, reduction="count"
+    ),
+    ValueError,
+    "count=",
+)
+case(
+    "testing.compare-batch-rows-disagree",
+    lambda: {"params": params(), "batch": (x(8), y(6))},
+    lambda ns: gradaccum.testing.compare(step_fn, ns["params"], ns["batch"], 2),
+    ValueError,
+    "[1] has 6",
+)
+
+# -- a world of one: sharding, reduce-scatter -----------------------------------------------------
+
+for _id, _kw, _exc, _name in [
+    ("policy-unknown", {"policy": "always"}, ValueError, "policy"),
+    ("policy-dict-missing-group", {"policy": {"w": "every"}}, ValueError, "policy"),
+    (
+        "policy-dict-unknown-group",
+        {"policy": {"w": "every", "b": "every", "x": "every"}},
+        ValueError,
+        "policy",
+    ),
+    ("policy-dict-unknown-policy", {"policy": {"w": "often", "b": "every"}}, ValueError, "policy"),
+    ("policy-int", {"policy": 3}, TypeError, "policy"),
+    ("gather-unknown", {"gather": "step"}, ValueError, "gather"),
+    ("check-unknown", {"check": "sometimes"}, ValueError, "check"),
+    ("timeout-negative", {"timeout": -1}, ValueError, "timeout"),
+]:
+    case(
+        f"reduce_scatter-{_id}",
+        sharded,
+        lambda ns, kw=_kw: gradaccum.reduce_scatter(ns["sharded"], **kw),
+        _exc,
+        _name,
+        world=True,
+    )
+case(
+    "reduce_scatter-sharded-not-a-Sharded",
+    lambda: {"params": world_params()},
+    lambda ns: gradaccum.reduce_scatter(ns["params"]),  # type: ignore[arg-type]
+    TypeError,
+    "sharded",
+    world=True,
+)
+for _id, _kw, _exc, _name in [
+    ("bucket_mb-0", {"bucket_mb": 0}, ValueError, "bucket_mb"),
+    ("bucket_mb-nan", {"bucket_mb": NAN}, ValueError, "bucket_mb"),
+    ("param_groups-int", {"param_groups": 3}, TypeError, "param_groups"),
+    ("param_groups-returns-int", {"param_groups": lambda path: 1}, TypeError, "param_groups"),
+    ("src-1", {"src": 1}, ValueError, "src"),
+]:
+    case(
+        f"shard-{_id}",
+        lambda: {"params": world_params()},
+        lambda ns, kw=_kw: gradaccum.shard(ns["params"], **kw),
+        _exc,
+        _name,
+        world=True,
+    )
+case(
+    "shard-int-leaf",
+    lambda: {"params": {"i": torch.arange(3)}},
+    lambda ns: gradaccum.shard(ns["params"]),
+    TypeError,
+    "params leaf ['i']",
+    world=True,
+)
+case(
+    "Sharded.write_grads-one-too-few",
+    sharded,
+    lambda ns: ns["sharded"].write_grads([torch.zeros_like(ns["sharded"].shards[0])]),
+    ValueError,
+    "one per shard",
+    world=True,
+)
+case(
+    "Sharded.write_grads-wrong-shape",
+    sharded,
+    lambda ns: ns["sharded"].write_grads(
+        [torch.zeros_like(ns["sharded"].shards[0]), torch.zeros(99, dtype=F64)]
+    ),
+    ValueError,
+    "gradient shard 1",
+    world=True,
+)
+case(
+    "Sharded.write_grads-wrong-dtype",
+    sharded,
+    lambda ns: ns["sharded"].write_grads([s.float() for s in ns["sharded"].shards]),
+    ValueError,
+    "gradient shard 0",
+    world=True,
+)
+case(
+    "Sharded.group_shards-unknown",
+    sharded,
+    lambda ns: ns["sharded"].group_shards("decay"),
+    KeyError,
+    "'decay'",
+    world=True,
+)
+
+
+def _sharded_sd(change: Callable[[dict[str, Any]], None]) -> NS:
+    ns = sharded()
+    sd = ns["sharded"].state_dict()
+    change(sd)
+    return {**ns, "sd": sd}
+
+
+for _id, _change, _name in [
+    ("format", lambda sd: sd.update(format="x"), "format"),
+    ("rank", lambda sd: sd.update(rank=1), "rank"),
+    ("world", lambda sd: sd.update(world=2), "world size"),
+    ("bucket_mb", lambda sd: sd.update(bucket_mb=1.0), "bucket_mb"),
+    (
+        "shard-shape",
+        lambda sd: sd["shards"].__setitem__(0, torch.zeros(1, dtype=F64)),
+        "saved shard 0",
+    ),
+]:
+    case(
+        f"Sharded.load_state_dict-{_id}",
+        lambda c=_change: _sharded_sd(c),
+        lambda ns: ns["sharded"].load_state_dict(ns["sd"]),
+        gradaccum.GradAccumError,
+        _name,
+        world=True,
+    )
+
+
+def _rs_step(ns: NS) -> Callable[..., Any]:
+    sync = gradaccum.reduce_scatter(ns["sharded"])
+    return gradaccum.accumulate(gradaccum.grad(world_loss), 2, sync=sync)
+
+
+def _two_params(p: Any, b: Any, q: Any) -> torch.Tensor:
+    return world_loss(p, b) + q.sum()
+
+
+case(
+    "accumulate-reduce_scatter-argnums-tuple",
+    sharded,
+    lambda ns: gradaccum.accumulate(
+        gradaccum.grad(_two_params, argnums=(0, 2)),
+        2,
+        argnums=(0, 2),
+        sync=gradaccum.reduce_scatter(ns["sharded"]),
+    )(ns["sharded"], ns["batch"], torch.ones(2, dtype=F64)),
+    ValueError,
+    "argnums",
+    world=True,
+)
+case(
+    "accumulate-reduce_scatter-other-Sharded",
+    lambda: {**sharded(), "other": sharded()["sharded"]},
+    lambda ns: _rs_step(ns)(ns["other"], ns["batch"]),
+    ValueError,
+    "Sharded",
+    world=True,
+)
+case(
+    "accumulate-reduce_scatter-params-differ",
+    sharded,
+    lambda ns: _rs_step(ns)({k: v for k, v in ns["params"].items() if k != "b1"}, ns["batch"]),
+    ValueError,
+    "['b1']",
+    world=True,
+)
+case(
+    "accumulate-reduce_scatter-more-micro-batches-than-n",
+    sharded,
+    lambda ns: _rs_step(ns)(
+        ns["sharded"],
+        gradaccum.MicroBatches([tuple(t[i : i + 2] for t in ns["batch"]) for i in (0, 2, 4)]),
+    ),
+    ValueError,
+    "n=2",
+    world=True,
+)
+
+
+def _rs_accumulator(full: bool) -> NS:
+    ns = sharded()
+    acc = gradaccum.Accumulator(2, sync=gradaccum.reduce_scatter(ns["sharded"]))
+    state = acc.init(ns["sharded"])
+    for _ in range(2 if full else 1):
+        state = acc.add(state, {k: torch.ones_like(v) for k, v in ns["params"].items()}, size=4)
+    return {**ns, "acc": acc, "state": state}
+
+
+case(
+    "Accumulator.add-reduce_scatter-past-n",
+    lambda: _rs_accumulator(full=True),
+    lambda ns: ns["acc"].add(
+        ns["state"], {k: torch.ones_like(v) for k, v in ns["params"].items()}, size=4
+    ),
+    ValueError,
+    "n=2",
+    world=True,
+)
+
+
+def _rs_saved(change: Callable[[dict[str, Any]], None]) -> NS:
+    ns = _rs_accumulator(full=False)
+    sd = ns["acc"].state_dict(ns["state"])
+    change(sd)
+    return {**ns, "sd": sd}
+
+
+for _id, _change, _name in [
+    ("format", lambda sd: sd.update(format="gradaccum.AccumState/1"), "format"),
+    ("reduction", lambda sd: sd.update(reduction="sum"), "reduction"),
+    ("rank", lambda sd: sd.update(rank=1), "rank"),
+    ("micro_step-negative", lambda sd: sd.update(micro_step=-1), "micro_step"),
+    ("full-shape", lambda sd: sd["out"].__setitem__(0, torch.zeros(1, dtype=F64)), "saved buffer"),
+]:
+    case(
+        f"Accumulator.load_state_dict-reduce_scatter-{_id}",
+        lambda c=_change: _rs_saved(c),
+        lambda ns: ns["acc"].load_state_dict(ns["state"], ns["sd"]),
+        gradaccum.GradAccumError,
+        _name,
+        world=True,
+    )
+
+# -- DTensor params: FSDP2's fully_shard (item 1) ------------------------------------------------
+
+_DTENSOR = ("DTensor", "fully_shard")
+case(
+    "params_of-fully_shard-module",
+    fsdp_model,
+    lambda ns: gradaccum.params_of(ns["module"]),
+    gradaccum.GradAccumError,
+    *_DTENSOR,
+    world=True,
+    item=1,
+)
+case(
+    "write_grads-fully_shard-module",
+    fsdp_model,
+    lambda ns: gradaccum.write_grads(ns["module"], ns["grads"]),
+    gradaccum.GradAccumError,
+    *_DTENSOR,
+    world=True,
+    item=1,
+)
+case(
+    "accumulate-DTensor-params",
+    dtensor,
+    lambda ns: gradaccum.accumulate(lambda p, b: {"w": torch.ones(4, 2)}, 2)(
+        ns["params"], ns["batch"]
+    ),
+    gradaccum.GradAccumError,
+    *_DTENSOR,
+    world=True,
+    item=1,
+)
+case(
+    "accumulate-grad-DTensor-params",
+    dtensor,
+    lambda ns: gradaccum.accumulate(gradaccum.grad(lambda p, b: (b * p["w"]).sum()), 2)(
+        ns["params"], ns["batch"]
+    ),
+    gradaccum.GradAccumError,
+    *_DTENSOR,
+    world=True,
+    item=1,
+)
+case(
+    "Accumulator.init-DTensor-params",
+    dtensor,
+    lambda ns: gradaccum.Accumulator(2).init(ns["params"]),
+    gradaccum.GradAccumError,
+    *_DTENSOR,
+    world=True,
+    item=1,
+)
+
+
+# -- the generic test ---------------------------------------------------------------------------
+
+# After the call shape and the expectation, a fix: "; pass ...", ". Use ...", "; step_fn must ...".
+FIX = re.compile(
+    r"(?:;|\.)\s+(?:.*?\b)?(?:pass|use|call|give|return|load|drop|wrap|start|convert|compute|"
+    r"shard|skip|move|build|resume|save|look|check|gather|reduce|take|must|e\.g\.)\b",
+    re.IGNORECASE | re.DOTALL,
+)
+CALL_SHAPE = re.compile(r"\A[A-Za-z_][\w.]*\(")
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    """A gloo process group of one rank (a HashStore: no network), destroyed afterwards."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def message(err: BaseException) -> str:
+    """The message as written (KeyError's str() adds quotes)."""
+    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        return err.args[0]
+    return str(err)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor: compare this rank's shard
+    return to_local() if callable(to_local) else t
+
+
+def _tensor_record(t: torch.Tensor) -> tuple[Any, ...]:
+    local = _local(t).detach()
+    return ("tensor", local.dtype, tuple(local.shape), local.device, t.requires_grad, local.clone())
+
+
+def snapshot(obj: Any, path: str = "ns", out: list[tuple[str, Any]] | None = None) -> list[Any]:
+    """``(path, record)`` for every tensor and plain value reachable from ``obj``, cloned."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append((path, _tensor_record(obj)))
+        if obj.is_leaf and obj.grad is not None:
+            out.append((f"{path}.grad", _tensor_record(obj.grad)))
+    elif isinstance(obj, torch.nn.Module):
+        out.append((f"{path}.training", obj.training))
+        for k, p in obj.named_parameters():
+            snapshot(p, f"{path}.param[{k}]", out)
+            out.append((f"{path}.param[{k}].requires_grad", p.requires_grad))
+        for k, b in obj.named_buffers():
+            snapshot(b, f"{path}.buffer[{k}]", out)
+    elif isinstance(obj, torch.optim.Optimizer):
+        snapshot(obj.state_dict(), f"{path}.state_dict()", out)
+    elif isinstance(obj, gradaccum.Sharded):
+        snapshot(list(obj.shards), f"{path}.shards", out)
+    elif isinstance(obj, gradaccum.CustomReduce):
+        snapshot(obj.state, f"{path}.state", out)
+    elif isinstance(obj, gradaccum.MicroBatches):
+        snapshot(list(obj), f"{path}.batches", out)
+    elif isinstance(obj, np.ndarray):
+        out.append((path, ("ndarray", obj.dtype, obj.shape, obj.copy())))
+    elif isinstance(obj, Mapping):
+        out.append((f"{path}.keys", ("keys", type(obj).__name__, sorted(map(repr, obj)))))
+        for k in sorted(obj, key=repr):
+            snapshot(obj[k], f"{path}[{k!r}]", out)
+    elif isinstance(obj, (list, tuple)):
+        out.append((f"{path}.len", ("seq", type(obj).__name__, len(obj))))
+        for i, v in enumerate(obj):
+            snapshot(v, f"{path}[{i}]", out)
+    elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype)):
+        out.append((path, ("value", type(obj).__name__, obj)))
+    else:  # functions, layouts, iterators, syncs: the same object (do not consume iterators)
+        out.append((path, ("object", id(obj))))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and a and a[0] == "tensor":
+        _, dtype, shape, device, req, t = a
+        _, dtype2, shape2, device2, req2, t2 = b
+        if (dtype, shape, device, req) != (dtype2, shape2, device2, req2):
+            return False
+        if t.numel() == 0:
+            return True
+        bits = t.contiguous().reshape(-1).view(torch.uint8)  # bit-identical, NaN included
+        return torch.equal(bits, t2.contiguous().reshape(-1).view(torch.uint8))
+    if isinstance(a, tuple) and a and a[0] == "ndarray":
+        return a[1:3] == b[1:3] and a[3].tobytes() == b[3].tobytes()
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, tuple) and a and a[0] == "value":
+        return a[:2] == b[:2] and (a[2] == b[2] or (a[2] != a[2] and b[2] != b[2]))
+    return bool(a == b)
+
+
+def assert_unchanged(before: list[Any], after: list[Any]) -> None:
+    paths_before, paths_after = [p for p, _ in before], [p for p, _ in after]
+    assert paths_before == paths_after, (
+        f"the inputs changed structure: {sorted(set(paths_before) ^ set(paths_after))}"
+    )
+    changed = [p for (p, a), (_, b) in zip(before, after) if not _same(a, b)]
+    assert not changed, f"the call changed {changed}"
+
+
+def check_message(c: Case, err: BaseException) -> None:
+    msg = message(err)
+    assert CALL_SHAPE.match(msg), f"the message does not start with the call shape: {msg!r}"
+    missing = [
+        n for n in c.names if not (any(w in msg for w in n) if isinstance(n, tuple) else n in msg)
+    ]
+    assert not missing, f"the message does not name {missing}: {msg!r}"
+    present = [w for w in c.absent if w in msg]
+    assert not present, f"the message says {present}, which misleads: {msg!r}"
+    assert FIX.search(msg.split(": ", 1)[-1]), f"the message gives no fix: {msg!r}"
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_misuse(c: Case, request: pytest.FixtureRequest) -> None:
+    if c.world:
+        request.getfixturevalue("world")
+    else:
+        assert not dist.is_initialized()
+    ns = c.setup()
+    before = snapshot(ns)
+    with pytest.raises(c.exc) as info:
+        c.call(ns)
+    check_message(c, info.value)
+    assert_unchanged(before, snapshot(ns))
+
+
+def test_the_catalogue_is_broad() -> None:
+    assert len(CASES) >= 80
+    assert {c.item for c in CASES if c.item is not None} == set(range(1, 12))
+
+
+def test_the_snapshot_sees_every_kind_of_change() -> None:
+    """The unchanged check is not vacuous: each mutation below is caught, NaN equals NaN."""
+    mutations: list[Callable[[NS], None]] = [
+        lambda ns: ns["params"]["w"].add_(1.0),
+        lambda ns: ns["params"].update(c=torch.zeros(1)),
+        lambda ns: ns["params"]["w"].requires_grad_(True),
+        lambda ns: ns["module"].weight.grad.mul_(2.0),
+        lambda ns: setattr(ns["module"].weight, "grad", None),
+        lambda ns: ns["opt"].state[ns["module"].bias]["momentum_buffer"].zero_(),
+        lambda ns: ns["bn"].running_var.fill_(3.0),
+        lambda ns: ns["bn"].num_batches_tracked.add_(1),
+        lambda ns: ns["bn"].eval(),
+        lambda ns: ns["state"].sums["b"].add_(1.0),
+        lambda ns: ns["sd"].update(micro_step=2),
+        lambda ns: ns["nan"][1].zero_(),
+        lambda ns: ns["batch"][0].__setitem__((0, 0), 9.0),
+    ]
+    for mutate in mutations:
+        ns = {**linear(), **mid(), **pb(), "bn": batchnorm()["module"]}
+        ns["sd"] = ns["acc"].state_dict(ns["state"])
+        ns["nan"] = torch.tensor([NAN, 1.0])
+        before = snapshot(ns)
+        assert_unchanged(before, snapshot(ns))
+        mutate(ns)
+        with pytest.raises(AssertionError, match="the (call changed|inputs changed structure)"):
+            assert_unchanged(before, snapshot(ns))
+
+
+# -- what must keep working next to the errors above ---------------------------------------------
+
+
+def test_a_fresh_state_may_be_reused() -> None:
+    """A state from init holds no sums: adding to it twice gives two independent windows."""
+    acc = gradaccum.Accumulator(n=2)
+    state0 = acc.init(params())
+    a = acc.add(state0, grads(1.0), size=1)
+    b = acc.add(state0, grads(3.0), size=1)
+    ga, _ = acc.finalize(a)
+    gb, nxt = acc.finalize(b)
+    assert torch.equal(ga["w"], torch.full((3,), 1.0, dtype=F64))
+    assert torch.equal(gb["w"], torch.full((3,), 3.0, dtype=F64))
+    # The state finalize returns is fresh too, and usable.
+    g, _ = acc.finalize(acc.add(nxt, grads(2.0), size=2))
+    assert torch.equal(g["b"], torch.tensor(2.0, dtype=F64))
+    assert torch.equal(ga["w"], torch.full((3,), 1.0, dtype=F64))  # earlier results unchanged
+
+
+def test_the_returned_state_goes_on_after_a_refused_consumed_one() -> None:
+    acc = gradaccum.Accumulator(n=2)
+    state1 = acc.add(acc.init(params()), grads(1.0), size=1)
+    state2 = acc.add(state1, grads(3.0), size=1)
+    with pytest.raises(ValueError, match="consumed"):
+        acc.add(state1, grads(5.0), size=1)
+    g, _ = acc.finalize(state2)
+    assert torch.equal(g["w"], torch.full((3,), 2.0, dtype=F64))
+
+
+def test_a_count_window_holding_no_items_yet_saves_and_loads() -> None:
+    """Under reduction='count' a weight of 0 mid-window is legitimate (all padding so far)."""
+    acc = gradaccum.Accumulator(n=4, reduction="count")
+    state = acc.add(acc.init(params()), grads(), count=0)
+    restored = acc.load_state_dict(acc.init(params()), acc.state_dict(state))
+    assert (restored.micro_step, restored.weight) == (1, 0)
+    tensor_count = acc.add(acc.init(params()), grads(), count=torch.tensor(0))
+    restored = acc.load_state_dict(acc.init(params()), acc.state_dict(tensor_count))
+    assert restored.micro_step == 1
+    assert int(restored.weight) == 0
+
+
+def test_call_module_with_a_frozen_parameter_left_out() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).to(F64)
+    model[0].bias.requires_grad_(False)
+    params = gradaccum.params_of(model)
+    assert "0.bias" not in params
+    xs = torch.ones(4, 2, dtype=F64)
+    out, new_buffers = gradaccum.call_module(model, params, gradaccum.buffers_of(model), xs)
+    assert torch.equal(out, model(xs))
+    assert sorted(new_buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+
+
+def test_call_module_strict_false_accepts_a_misspelled_key() -> None:
+    lin = linear()["module"]
+    xs = torch.ones(3, 2, dtype=F64)
+    bad = {"weigth": torch.zeros(1, 2, dtype=F64), "bias": torch.zeros(1, dtype=F64)}
+    out, _ = gradaccum.call_module(lin, bad, {}, xs, strict=False)
+    assert torch.equal(out, xs @ lin.weight.detach().T)  # the module's own weight, bias 0
+
+
+def test_params_of_again_after_moving_the_module() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 1)
+    gradaccum.params_of(lin)
+    lin.double()
+    params = gradaccum.params_of(lin)
+    xs = torch.ones(4, 2, dtype=F64)
+    out, _ = gradaccum.call_module(lin, params, {}, xs)
+    assert out.dtype == F64
+    assert torch.equal(out, lin(xs))
+
+
+def test_loss_scale_state_loads_with_weights_only() -> None:
+    state = gradaccum.LossScale(init_scale=256.0).init()
+    buffer = io.BytesIO()
+    torch.save({"loss_scale": state, "step": 3}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["loss_scale"] == state
+    assert isinstance(loaded["loss_scale"], gradaccum.LossScaleState)
