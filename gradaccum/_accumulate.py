@@ -196,9 +196,12 @@ def accumulate(
                 f"positionally, e.g. step(params, batch)."
             )
         scatter = sync if isinstance(sync, ReduceScatter) else None
-        regather = False
-        if scatter is not None:  # gathers the params (once per window) if given sharded
-            args, regather = _shard_window.params_arg(call, scatter, args, grad_args)  # type: ignore[assignment]
+        # Given the Sharded itself, the window gathers the params: once, after the fingerprint
+        # (the gathers' sizes depend on the sharded layout), or before each micro-batch.
+        sharded_in = scatter is not None and _shard_window.is_sharded_arg(
+            call, scatter, args, grad_args
+        )
+        regather = sharded_in and scatter.gather == "micro_batch"  # type: ignore[union-attr]
         target = (
             args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
         )
@@ -206,13 +209,19 @@ def accumulate(
         head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
         win = Progress()
         try:
-            if regather:
+            if sharded_in:
                 lay = _sums.with_accum(scatter.sharded.layout, accum_dtype)  # type: ignore[union-attr]
             else:
                 lay = _sums.make_layout(call, target, accum_dtype)
                 _check_not_empty(call, lay, target, argnums)
             win.state = _sums.AccumState(None, 0, 0, 0, lay)
             window = scatter._open(call, lay, reduction, n) if scatter is not None else None
+            if sharded_in and not regather:
+                assert scatter is not None
+                full = scatter.sharded._gather(call, scatter.timeout)
+                args = _shard_window.with_params(args, grad_args[0], full)  # type: ignore[assignment]
+                head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
+                del full
             if window is not None:
                 window.regather = regather
             win.state = _sums.AccumState(

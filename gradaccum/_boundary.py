@@ -58,7 +58,8 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
         float tensor, float64 if any leaf is float64, otherwise float32).
 
     Raises:
-        TypeError: A leaf is not a floating tensor.
+        TypeError: A leaf is not a floating tensor, or ``group`` is neither ``None`` nor a
+            process group.
         ValueError: ``max_norm`` is not a positive number.
 
     Examples:
@@ -73,6 +74,7 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
             f"{where}: max_norm must be a positive number, got {describe(max_norm)}; pass e.g. "
             f"max_norm=1.0."
         )
+    _check_group(where, group, "the process group the gradients were reduce-scattered over")
     leaves, spec = _leaves(where, grads)
     wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     if not leaves:
@@ -175,15 +177,33 @@ class LossScale:
     min_scale: float = 2.0**-126
 
     def __post_init__(self) -> None:
-        where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval)"
-        checks: tuple[tuple[str, float, Callable[[float], bool], str], ...] = (
-            ("init_scale", self.init_scale, lambda v: v > 0, "a positive number"),
-            ("growth_factor", self.growth_factor, _finite_at_least_1, "a finite number >= 1"),
-            ("backoff_factor", self.backoff_factor, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)"
+        checks: tuple[tuple[str, float, Callable[[float], bool], str, str], ...] = (
+            (
+                "init_scale",
+                self.init_scale,
+                lambda v: v > 0,
+                "a positive number",
+                "pass e.g. init_scale=2.0**16 (torch.amp.GradScaler's default)",
+            ),
+            (
+                "growth_factor",
+                self.growth_factor,
+                _finite_at_least_1,
+                "a finite number >= 1",
+                "pass e.g. growth_factor=2.0 (the default), or 1.0 to never grow the scale",
+            ),
+            (
+                "backoff_factor",
+                self.backoff_factor,
+                lambda v: 0 < v <= 1,
+                "a number in (0, 1]",
+                "pass e.g. backoff_factor=0.5 (the default), or 1.0 to never back off",
+            ),
         )
-        for name, value, ok, what in checks:
+        for name, value, ok, what, fix in checks:
             if not _is_number(value) or not ok(value):
-                raise ValueError(f"{where}: {name} must be {what}, got {describe(value)}.")
+                raise ValueError(f"{where}: {name} must be {what}, got {describe(value)}; {fix}.")
         if math.isinf(self.init_scale):
             raise ValueError(
                 f"{where}: init_scale must be a finite positive number, got "
@@ -194,7 +214,8 @@ class LossScale:
         interval = self.growth_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(
-                f"{where}: growth_interval must be a positive int, got {describe(interval)}."
+                f"{where}: growth_interval must be a positive int (a number of windows), got "
+                f"{describe(interval)}; pass e.g. growth_interval=2000 (the default)."
             )
         floor = self.min_scale
         if not _is_number(floor) or not (0 < floor < math.inf):
@@ -231,7 +252,8 @@ class LossScale:
             state. Reading ``finite`` synchronises with the device once per window.
 
         Raises:
-            TypeError: A leaf is not a floating tensor, or ``state`` is not a LossScaleState.
+            TypeError: A leaf is not a floating tensor, ``state`` is not a LossScaleState, or
+                ``group`` is neither ``None`` nor a process group.
             ValueError: ``state.scale`` is not a finite positive number.
         """
         where = "LossScale.unscale(grads, state)"
@@ -246,6 +268,7 @@ class LossScale:
                 f"{describe(state.scale)}; start with state = scaler.init() and pass on the "
                 f"state unscale() returns."
             )
+        _check_group(where, group, "the process group whose ranks must agree")
         leaves, spec = _leaves(where, grads)
         with torch.no_grad():
             inv = 1.0 / state.scale
@@ -274,6 +297,22 @@ class LossScale:
 
 # A checkpoint holding a LossScaleState loads with torch.load(path, weights_only=True).
 torch.serialization.add_safe_globals([LossScaleState])
+
+
+def _check_group(where: str, group: Any, meaning: str) -> None:
+    """Refuse a ``group`` that is neither ``None`` nor a process group, before any collective."""
+    if group is None:
+        return
+    if dist.is_available() and (
+        isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER
+    ):
+        return
+    raise TypeError(
+        f"{where}: group must be None (the gradients are the same on every rank, as after an "
+        f"all_reduce sync) or a torch.distributed ProcessGroup, got {describe(group)}; pass "
+        f"group=None, or {meaning} (e.g. sharded.group for gradients from a reduce_scatter "
+        f"sync)."
+    )
 
 
 def _is_number(value: object) -> bool:

@@ -62,6 +62,22 @@ def _check_fields(where: str, sd: dict[str, Any]) -> None:
     missing = [k for k in _FIELDS if k not in sd]
     if missing:
         raise GradAccumError(f"{where}: the state dict lacks the keys {missing}{fix}")
+    for key, what in (
+        ("paths", "a list of key-path strings (e.g. \"['w']\")"),
+        ("shapes", "a list of shapes, one per path"),
+        ("dtypes", "a list of dtype names, one per path"),
+        ("accum_dtypes", "a list of dtype names, one per path"),
+        ("sums", "None or a list of tensors, one per path"),
+    ):
+        value = sd[key]
+        if key == "sums" and value is None:
+            continue
+        if not isinstance(value, (list, tuple)):
+            raise GradAccumError(f"{where}: {key} must be {what}, got {describe(value)}{fix}")
+        bad = [p for p in value if not isinstance(p, str)] if key == "paths" else []
+        if bad:
+            got = f"a {type(value).__name__} holding {describe(bad[0])}"
+            raise GradAccumError(f"{where}: {key} must be {what}, got {got}{fix}")
     n = len(sd["paths"])
     for key, label in (
         ("shapes", "shapes"),

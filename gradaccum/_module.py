@@ -260,7 +260,8 @@ def update_buffers(
     if not isinstance(target, Mapping):
         raise TypeError(
             f"update_buffers(buffers, new_buffers): buffers must be a module or a dict from "
-            f"gradaccum.buffers_of(module), got {describe(buffers)}."
+            f"gradaccum.buffers_of(module), got {describe(buffers)}; pass the module itself "
+            f"(update_buffers(model, new_buffers)) or buffers = gradaccum.buffers_of(model)."
         )
     if not isinstance(new_buffers, Mapping):
         raise TypeError(

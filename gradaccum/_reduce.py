@@ -196,20 +196,53 @@ class AuxAccumulator:
             elif kind in ("sum", "count"):
                 value = leaf
             elif kind in ("concat", "stack"):
-                value = [leaf]
+                value = self._joinable(i, kind, leaf, None if first else self._acc[i])
             else:  # last
                 value = leaf
             if first:
-                self._acc.append(value)
+                self._acc.append([value] if kind in ("concat", "stack") else value)
             elif kind in ("mean", "sum", "count"):
                 self._acc[i] = self._acc[i] + value
             elif kind in ("concat", "stack"):
-                self._acc[i].append(leaf)
+                self._acc[i].append(value)
             else:
                 self._acc[i] = value
         self._size_total = self._size_total + size
         if count is not None:
             self._count_total = self._count_total + count
+
+    def _joinable(
+        self, i: int, kind: str, leaf: Any, earlier: list[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """Aux leaf ``i`` as a tensor that ``kind`` can join to the ``earlier`` micro-batches'."""
+        path = self._paths[i]
+        try:
+            value = leaf if isinstance(leaf, torch.Tensor) else torch.as_tensor(leaf)
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+        if value is None:
+            raise TypeError(
+                f"{self._where}: aux leaf {path} is {describe(leaf)}, which aux_reduction "
+                f"{kind!r} cannot {kind} into a tensor; return a tensor or a number there, or "
+                f"use aux_reduction 'last' for that leaf."
+            )
+        if not earlier:
+            return value
+        ref, mb = earlier[0], len(earlier)
+        rows_only = value.dim() == ref.dim() > 0 and value.shape[1:] == ref.shape[1:]
+        if kind == "stack" or ref.dim() == 0:
+            ok, need = value.shape == ref.shape, "the same shape on every micro-batch"
+        else:
+            ok, need = rows_only, "the same shape after dim 0 on every micro-batch"
+        if not ok:
+            other = "'concat' (they differ along dim 0 only) or 'last'" if rows_only else "'last'"
+            raise ValueError(
+                f"{self._where}: aux leaf {path} has shape {tuple(value.shape)} on micro-batch "
+                f"{mb} but {tuple(ref.shape)} on micro-batch 0, and aux_reduction {kind!r} needs "
+                f"{need}; return that leaf with one shape (e.g. pad it), or use aux_reduction "
+                f"{other} for that leaf."
+            )
+        return value
 
     def result(self) -> Any:
         """The combined aux pytree."""
@@ -222,13 +255,12 @@ class AuxAccumulator:
             elif kind == "count":
                 value = value / self._count_total
             elif kind in ("concat", "stack"):
-                value = _join(kind, cast(Sequence[Any], value))
+                value = _join(kind, cast(list[torch.Tensor], value))
             out.append(value)
         return _tree.unflatten(self._treespec, out)
 
 
-def _join(kind: str, values: Sequence[Any]) -> torch.Tensor:
-    tensors = [torch.as_tensor(v) for v in values]
+def _join(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     if kind == "stack" or tensors[0].dim() == 0:
         return torch.stack(tensors)
     return torch.cat(tensors)

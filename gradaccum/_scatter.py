@@ -35,6 +35,7 @@ __all__ = ["ReduceScatter", "reduce_scatter"]
 Policy = Literal["boundary", "every"]
 POLICIES = ("boundary", "every")
 GATHERS = ("window", "micro_batch")
+_EXAMPLE = "boundary"
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +99,13 @@ class ReduceScatter:
     # -- used by accumulate and Accumulator ---------------------------------------------------
 
     def _open(
-        self, where: str, lay: Any, reduction: str, n: int = 0, verify: bool = True
+        self,
+        where: str,
+        lay: Any,
+        reduction: str,
+        n: int = 0,
+        agree_n: bool = False,
+        verify: bool = True,
     ) -> Window:
         """A window for gradients of layout ``lay`` (checked against the sharded params).
 
@@ -126,7 +133,7 @@ class ReduceScatter:
             )
         pg, rank, world = self._comm._group(where, "sync=reduce_scatter(...)")
         if verify and self.check != "never":
-            per_step = "every" in self.policies() or self.gather == "micro_batch"
+            per_step = agree_n or "every" in self.policies() or self.gather == "micro_batch"
             extra = (
                 *(f"shard {k} policy {p!r}" for k, p in enumerate(self.policies())),
                 f"gather={self.gather!r}",
@@ -230,7 +237,7 @@ def reduce_scatter(
         >>> grads  # this rank's gradient shard: w's gradient, then b's
         (tensor([4., 4., 4., 4., 4.]),)
         >>> [(c.kind, c.purpose) for c in log]  # doctest: +NORMALIZE_WHITESPACE
-        [('all_gather', 'params'), ('all_reduce', 'fingerprint'),
+        [('all_reduce', 'fingerprint'), ('all_gather', 'params'),
          ('reduce_scatter', 'gradients (every)'), ('reduce_scatter', 'gradients (every)'),
          ('all_reduce', 'weight')]
         >>> sharded.write_grads(grads)
@@ -253,7 +260,8 @@ def reduce_scatter(
         if policy not in POLICIES:
             raise ValueError(
                 f"{where}: policy must be 'boundary' or 'every' (or a dict from parameter "
-                f"group to one of them), got {policy!r}."
+                f"group to one of them), got {policy!r}; pass policy='boundary' (one "
+                f"reduce-scatter per window) or policy='every' (one per micro-batch)."
             )
     elif isinstance(policy, Mapping):
         missing = [n for n in names if n not in policy]
@@ -262,17 +270,19 @@ def reduce_scatter(
         if missing or extra or bad:
             raise ValueError(
                 f"{where}: policy must map each parameter group {names} to 'boundary' or "
-                f"'every'; missing {missing}, unknown groups {extra}, unknown policies {bad}."
+                f"'every'; missing {missing}, unknown groups {extra}, unknown policies {bad}; "
+                f"pass e.g. policy={{{', '.join(f'{n!r}: {_EXAMPLE!r}' for n in names)}}}."
             )
         policy = dict(policy)
     else:
         raise TypeError(
             f"{where}: policy must be 'boundary', 'every' or a dict from parameter group to "
-            f"one of them, got {describe(policy)}."
+            f"one of them, got {describe(policy)}; pass e.g. policy='boundary'."
         )
     if gather not in GATHERS:
         raise ValueError(
-            f"{where}: gather must be 'window' or 'micro_batch', got {describe(gather)}."
+            f"{where}: gather must be 'window' or 'micro_batch', got {describe(gather)}; pass "
+            f"gather='window' (once per window) or 'micro_batch' (before each micro-batch)."
         )
     check_options(where, check, timeout, overlap)
     return ReduceScatter(
@@ -325,7 +335,10 @@ def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any, n: int) -> An
             )
     for key in ("micro_step", "window", "steps"):
         if isinstance(sd.get(key), bool) or not isinstance(sd.get(key), int) or sd[key] < 0:
-            raise GradAccumError(f"{where}: {key} must be a non-negative int, got {sd.get(key)!r}.")
+            raise GradAccumError(
+                f"{where}: {key} must be a non-negative int, got {describe(sd.get(key))}; pass "
+                f"the dict that Accumulator.state_dict() returned on this rank."
+            )
     weight = sd.get("weight")
     if isinstance(weight, bool) or not (
         isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)

@@ -14,6 +14,7 @@ concatenation of its chunks of that group's buckets, so that
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -264,7 +265,8 @@ def shard(
     Raises:
         RuntimeError: torch.distributed is not initialised.
         TypeError: A params leaf is not a floating tensor, or an argument has the wrong kind.
-        ValueError: ``bucket_mb`` is not positive, or ``src`` is not a rank of the group.
+        ValueError: ``bucket_mb`` is not a positive, finite number, or ``src`` is not a rank
+            of the group.
         GradAccumError: The ranks passed params of different key paths, shapes or dtypes (the
             message names the first difference).
 
@@ -296,10 +298,14 @@ def shard(
 
     where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
     comm = AllReduce(group)
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+    if (
+        isinstance(bucket_mb, bool)
+        or not isinstance(bucket_mb, (int, float))
+        or not 0 < bucket_mb < math.inf
+    ):
         raise ValueError(
-            f"{where}: bucket_mb must be a positive number of MiB, got {describe(bucket_mb)}; "
-            f"pass e.g. bucket_mb=25."
+            f"{where}: bucket_mb must be a positive, finite number of MiB, got "
+            f"{describe(bucket_mb)}; pass e.g. bucket_mb=25."
         )
     if param_groups is not None and not callable(param_groups):
         raise TypeError(

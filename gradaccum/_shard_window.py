@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._fast_window import Progress
     from ._scatter import ReduceScatter
 
-__all__ = ["MAX_IN_FLIGHT", "Window", "fast_window", "params_arg", "with_params"]
+__all__ = ["MAX_IN_FLIGHT", "Window", "fast_window", "is_sharded_arg", "with_params"]
 
 MAX_IN_FLIGHT = 2  # buckets on the wire at once: bounds the memory of (backend copies of) inputs
 
@@ -251,32 +251,23 @@ class Window:
         return shards, float(total)
 
 
-def params_arg(
+def is_sharded_arg(
     call: str, sync: ReduceScatter, args: tuple[Any, ...], argnums: tuple[int, ...]
-) -> tuple[tuple[Any, ...], bool]:
-    """Substitute gathered params for a Sharded params argument (once per window).
-
-    Returns the new args and whether the params are to be gathered per micro-batch.
-    """
+) -> bool:
+    """Whether the params argument is the sync's Sharded (the window then gathers the params)."""
     if len(argnums) != 1:
         raise ValueError(
             f"{call}: with sync=reduce_scatter(...), the gradients must be taken with respect "
-            f"to one argument (argnums an int), got argnums={argnums!r}."
+            f"to one argument (argnums an int), got argnums={argnums!r}; pass argnums=0 (the "
+            f"position of the Sharded or of its gathered params)."
         )
-    a = argnums[0]
-    target = args[a]
-    if target is not sync.sharded:
-        if isinstance(target, Sharded):
-            raise ValueError(
-                f"{call}: the params argument is a Sharded object other than the one the sync "
-                f"reduce-scatters into; pass the Sharded given to gradaccum.reduce_scatter."
-            )
-        return args, False
-    if sync.gather == "micro_batch":
-        return args, True
-    new = list(args)
-    new[a] = sync.sharded._gather(call, sync.timeout)
-    return tuple(new), False
+    target = args[argnums[0]]
+    if target is not sync.sharded and isinstance(target, Sharded):
+        raise ValueError(
+            f"{call}: the params argument is a Sharded object other than the one the sync "
+            f"reduce-scatters into; pass the Sharded given to gradaccum.reduce_scatter."
+        )
+    return target is sync.sharded
 
 
 def with_params(args: tuple[Any, ...], argnum: int, params: Any) -> tuple[Any, ...]:

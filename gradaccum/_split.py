@@ -39,9 +39,9 @@ class MicroBatches(Generic[B]):
 
     Raises:
         TypeError: ``batches`` is not a list or tuple.
-        ValueError: ``batches`` is empty. When the accumulated function runs: a micro-batch
-            has no tensor leaf or 0 rows, or its tree differs from micro-batch 0's (the
-            message names the micro-batch and the key path of the first difference).
+        ValueError: ``batches`` is empty, or a micro-batch's tree differs from micro-batch
+            0's (the message names the micro-batch and the key path of the first difference).
+            When the accumulated function runs: a micro-batch has no tensor leaf or 0 rows.
 
     Examples:
         >>> import torch, gradaccum
@@ -66,6 +66,9 @@ class MicroBatches(Generic[B]):
                 "MicroBatches(batches): expected at least one micro-batch, got an empty "
                 "sequence; pass MicroBatches([mb0, ...]) with one or more micro-batches."
             )
+        first = _tree.flatten(batches[0])[1]
+        for i in range(1, len(batches)):
+            _check_structure("MicroBatches(batches)", batches, i, first)
         self._batches = tuple(batches)
 
     def __len__(self) -> int:
@@ -79,6 +82,24 @@ class MicroBatches(Generic[B]):
 
     def __repr__(self) -> str:
         return f"MicroBatches(<{len(self._batches)} micro-batches>)"
+
+
+def _check_structure(
+    where: str, batches: Sequence[Any], i: int, first: Any, spec: Any = None
+) -> None:
+    """Refuse micro-batch ``i`` when its tree differs from micro-batch 0's (structure ``first``).
+
+    ``spec`` is micro-batch ``i``'s structure when the caller has it already.
+    """
+    spec = _tree.flatten(batches[i])[1] if spec is None else spec
+    if spec != first:
+        raise ValueError(
+            f"{where}: micro-batch {i} of the MicroBatches differs in structure from "
+            f"micro-batch 0 {_tree.first_difference(batches[0], batches[i])}; give every "
+            f"micro-batch the structure of micro-batch 0 (the same dict keys, tuple "
+            f"lengths and nesting), e.g. put an optional entry in every micro-batch or "
+            f"in none."
+        )
 
 
 def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
@@ -140,14 +161,8 @@ def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tup
                 )
             if i == 0:
                 first = mb_spec
-            elif mb_spec != first:
-                raise ValueError(
-                    f"{where}: micro-batch {i} of the MicroBatches differs in structure from "
-                    f"micro-batch 0 {_tree.first_difference(batch[0], mb)}; give every "
-                    f"micro-batch the structure of micro-batch 0 (the same dict keys, tuple "
-                    f"lengths and nesting), e.g. put an optional entry in every micro-batch or "
-                    f"in none."
-                )
+            else:  # checked at construction too; a dict may have changed since
+                _check_structure(where, batch._batches, i, first, mb_spec)
             out.append((mb, rows))
         return out
 

@@ -205,7 +205,9 @@ class Accumulator:
         where = f"{self._where}.finalize(state)"
         check_state(where, state)
         check_live(where, state)
-        grads, new = finalize(where, self.reduction, state, self.sync, n=self.window_size(state))
+        grads, new = finalize(
+            where, self.reduction, state, self.sync, n=self.window_size(state), agree_n=True
+        )
         return grads, pass_on(state, new, "finalize()")
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:
@@ -231,7 +233,7 @@ class Accumulator:
         """
         where = f"{self._where}.abort(state)"
         check_state(where, state)
-        abort(where, self.reduction, state, self.sync, n=self.window_size(state))
+        abort(where, self.reduction, state, self.sync, n=self.window_size(state), agree_n=True)
         new = AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
         return pass_on(state, new, "abort()")
 

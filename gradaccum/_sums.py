@@ -124,11 +124,18 @@ def check_n(where: str, n: object) -> int:
 
 def check_state(where: str, state: object) -> None:
     """Validate that ``state`` is an [`AccumState`][gradaccum.AccumState]."""
-    if not isinstance(state, AccumState) or not isinstance(state.layout, _Layout):
+    if not isinstance(state, AccumState):
         raise TypeError(
             f"{where}: state must be an AccumState (from Accumulator.init, add or finalize), got "
             f"{describe(state)}; start with state = acc.init(params), then state = "
             f"acc.add(state, grads, ...)."
+        )
+    if not isinstance(state.layout, _Layout):
+        raise TypeError(
+            f"{where}: state is an AccumState whose layout is {describe(state.layout)}, not one "
+            f"that Accumulator.init made; build states only with acc.init(params) and pass on "
+            f"the states that add and finalize return (replace other fields with "
+            f"state._replace(...), never the layout)."
         )
 
 
@@ -313,7 +320,10 @@ def add_grads(
     lay: _Layout = state.layout
     leaves = _check_grads(where, lay, grads)
     if isinstance(sync, ReduceScatter):
-        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction, n)
+        # Only Accumulator gets here without a window: its n is part of the fingerprint.
+        window: Any = (
+            state.sums if state.sums is not None else sync._open(where, lay, reduction, n, True)
+        )
         with torch.no_grad():
             window.add(leaves, alpha)
         return state._replace(
@@ -349,11 +359,14 @@ def finalize(
     failed: bool = False,
     pending: Any = None,
     n: int = 1,
+    agree_n: bool = False,
 ) -> tuple[T, AccumState[T]]:
     """The boundary: reduce over the group (with ``sync``), normalise, cast, start a new window.
 
     This is the one place where a cross-process collective is issued. ``failed`` joins the
     collective on behalf of a rank whose window raised, so that the others raise too.
+    ``agree_n`` puts ``n`` in the window's fingerprint (Accumulator: the ranks must agree on the
+    window size, or their windows would pair up micro-batches of different windows).
     ``pending`` is a boundary already opened (some buckets launched during the last backward).
     """
     lay: _Layout = state.layout
@@ -367,7 +380,9 @@ def finalize(
         nxt = AccumState(None, 0, 0, state.window + 1, lay, new)
         return _tree.unflatten(lay.spec, out) if not failed else None, nxt  # type: ignore[return-value]
     if isinstance(sync, ReduceScatter):
-        window: Any = state.sums if state.sums is not None else sync._open(where, lay, reduction, n)
+        window: Any = (
+            state.sums if state.sums is not None else sync._open(where, lay, reduction, n, agree_n)
+        )
         shards, _ = window.finish(where, reduction, state.weight, n, failed)
         return shards, AccumState(None, 0, 0, state.window + 1, lay)
     if sync is not None:
@@ -380,7 +395,9 @@ def finalize(
                     sums = sync._allocate(lay, zero=True)
                 else:
                     sums = _tree.flatten(state.sums)[0]
-                total = sync._reduce(where, reduction, lay, sums, state.weight, failed)
+                total = sync._reduce(
+                    where, reduction, lay, sums, state.weight, failed, n if agree_n else None
+                )
             _reduce.normalise(reduction, sums, total)
             out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
         return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
@@ -408,6 +425,7 @@ def abort(
     sync: AllReduce | ReduceScatter | CustomReduce | None,
     pending: Any = None,
     n: int = 1,
+    agree_n: bool = False,
 ) -> None:
     """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
 
@@ -433,6 +451,6 @@ def abort(
         else:
             state = AccumState(None, 0, 0, 0, sync._last[0])
     try:
-        finalize(where, reduction, state, sync, failed=True, pending=pending, n=n)
+        finalize(where, reduction, state, sync, failed=True, pending=pending, n=n, agree_n=agree_n)
     except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
         pass

@@ -108,15 +108,18 @@ class AllReduce:
         sums: list[torch.Tensor],
         weight: int | float | torch.Tensor,
         failed: bool = False,
+        n: int | None = None,
     ) -> float:
         """Sum ``sums`` (in place) and ``weight`` over the group; return the global weight.
 
         Raises GradAccumError on every rank when ranks disagree on the gradient tree, when
         another rank failed during the window, or when a collective fails or times out.
         """
-        return self._begin(where, reduction, lay, sums).finish(weight, failed)
+        return self._begin(where, reduction, lay, sums, n).finish(weight, failed)
 
-    def _begin(self, where: str, reduction: str, lay: Any, sums: list[torch.Tensor]) -> InFlight:
+    def _begin(
+        self, where: str, reduction: str, lay: Any, sums: list[torch.Tensor], n: int | None = None
+    ) -> InFlight:
         """Open the boundary of a window: start the fingerprint exchange of its buckets.
 
         The returned ``InFlight`` waits for the fingerprint before it launches its first bucket
@@ -126,7 +129,12 @@ class AllReduce:
         group, rank, world = self._group(where)
         plan = self._layout_plan(lay)
         self._last[:] = [lay]  # a rank that fails before its next window knows the layout
-        probe = None if self.check == "never" else self._probe(where, plan, reduction, group, rank)
+        extra = () if n is None else (f"n={n} micro-batches per window",)
+        probe = (
+            None
+            if self.check == "never"
+            else self._probe(where, plan, reduction, group, rank, extra)
+        )
         return InFlight(self, where, reduction, plan, sums, group, rank, world, probe)
 
     def _group(self, where: str, what: str = "sync=all_reduce()") -> tuple[Any, int, int]:
@@ -184,9 +192,17 @@ class AllReduce:
         """Exchange a fingerprint of the tree, reduction and buckets; on mismatch, name it."""
         self._agree(where, self._probe(where, plan, reduction, group, rank), group, rank, world)
 
-    def _probe(self, where: str, plan: Plan, reduction: str, group: Any, rank: int) -> Probe:
+    def _probe(
+        self,
+        where: str,
+        plan: Plan,
+        reduction: str,
+        group: Any,
+        rank: int,
+        extra: tuple[str, ...] = (),
+    ) -> Probe:
         """Start the exchange of a fingerprint of ``plan`` (16 bytes: max of ``h`` and ``-h``)."""
-        desc = (*plan.description, f"reduction={reduction!r}")
+        desc = (*plan.description, f"reduction={reduction!r}", *extra)
         digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
         h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
         device = plan.buckets[0].device
@@ -324,9 +340,10 @@ def all_reduce(
         [`record_collectives()`][gradaccum.record_collectives] to count what is communicated.
     """
     where = "all_reduce(group, bucket_mb=..., check=..., timeout=...)"
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+    if not _positive(bucket_mb):
         raise ValueError(
-            f"{where}: bucket_mb must be a positive number of MiB, got {describe(bucket_mb)}; "
+            f"{where}: bucket_mb must be a positive, finite number of MiB, got "
+            f"{describe(bucket_mb)}; "
             f"pass e.g. bucket_mb=25 (DDP's default)."
         )
     check_options(where, check, timeout, overlap)
@@ -354,17 +371,20 @@ def check_options(where: str, check: object, timeout: object, overlap: object) -
             f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
             f"trees agree in every window), 'full' (a debug mode) or 'never'."
         )
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-    ):
+    if timeout is not None and not _positive(timeout):
         raise ValueError(
-            f"{where}: timeout must be None or a positive number of seconds, got "
+            f"{where}: timeout must be None or a positive, finite number of seconds, got "
             f"{describe(timeout)}; pass e.g. timeout=60."
         )
     if not isinstance(overlap, bool):
         raise TypeError(
             f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
         )
+
+
+def _positive(x: object) -> bool:
+    """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
 
 
 def _name(group: Any) -> str:

@@ -20,7 +20,7 @@ import torch
 import gradaccum
 
 F64 = torch.float64
-SCALE = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval): "
+SCALE = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale): "
 UNSCALE = "LossScale.unscale(grads, state): "
 FLOOR = 2.0**-126  # LossScale's default min_scale: the smallest normal float32
 
@@ -89,27 +89,32 @@ def recording(calls: list[Any]) -> Any:
         ),
         pytest.param(
             {"init_scale": float("nan")},
-            SCALE + "init_scale must be a positive number, got float nan.",
+            SCALE + "init_scale must be a positive number, got float nan; pass e.g. "
+            "init_scale=2.0**16 (torch.amp.GradScaler's default).",
             id="init-nan",
         ),
         pytest.param(
             {"init_scale": float("-inf")},
-            SCALE + "init_scale must be a positive number, got float -inf.",
+            SCALE + "init_scale must be a positive number, got float -inf; pass e.g. "
+            "init_scale=2.0**16 (torch.amp.GradScaler's default).",
             id="init-minus-inf",
         ),
         pytest.param(
             {"init_scale": -8.0},
-            SCALE + "init_scale must be a positive number, got float -8.0.",
+            SCALE + "init_scale must be a positive number, got float -8.0; pass e.g. "
+            "init_scale=2.0**16 (torch.amp.GradScaler's default).",
             id="init-negative",
         ),
         pytest.param(
             {"growth_factor": float("inf")},
-            SCALE + "growth_factor must be a finite number >= 1, got float inf.",
+            SCALE + "growth_factor must be a finite number >= 1, got float inf; pass e.g. "
+            "growth_factor=2.0 (the default), or 1.0 to never grow the scale.",
             id="growth-inf",
         ),
         pytest.param(
             {"growth_factor": float("nan")},
-            SCALE + "growth_factor must be a finite number >= 1, got float nan.",
+            SCALE + "growth_factor must be a finite number >= 1, got float nan; pass e.g. "
+            "growth_factor=2.0 (the default), or 1.0 to never grow the scale.",
             id="growth-nan",
         ),
         pytest.param(
@@ -337,11 +342,22 @@ def _dict_mb(n: int, **extra: Any) -> dict[str, Any]:
 def test_micro_batches_of_different_structures(
     batches: list[Any], index: int, difference: str
 ) -> None:
-    calls: list[Any] = []
-    p, mbs = params(), gradaccum.MicroBatches(batches)
     message = (
-        f"accumulate(step_fn, n=2)(...): micro-batch {index} of the MicroBatches differs in "
+        f"MicroBatches(batches): micro-batch {index} of the MicroBatches differs in "
         f"structure from micro-batch 0 {difference}" + MB_FIX
+    )
+    with unchanged(batches), raises(ValueError, message):
+        gradaccum.MicroBatches(batches)  # refused at construction
+
+
+def test_micro_batch_changed_after_construction_is_refused_at_the_call() -> None:
+    calls: list[Any] = []
+    p, mbs = params(), gradaccum.MicroBatches([_dict_mb(3), _dict_mb(2)])
+    del mbs[1]["y"]
+    message = (
+        "accumulate(step_fn, n=2)(...): micro-batch 1 of the MicroBatches differs in "
+        "structure from micro-batch 0 at <root>: expected a dict with keys ['x', 'y'], got a "
+        "dict with keys ['x']" + MB_FIX
     )
     with unchanged(p, list(mbs)), raises(ValueError, message):
         gradaccum.accumulate(recording(calls), 2)(p, mbs)

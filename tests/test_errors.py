@@ -864,7 +864,8 @@ def test_empty_micro_batches(empty: Any) -> None:
 )
 def test_micro_batch_with_0_rows(empty: Any) -> None:
     calls: list[Any] = []
-    p, mbs = params(), gradaccum.MicroBatches([(x(3), y(3)), empty])
+    first = x(3) if isinstance(empty, torch.Tensor) else (x(3), y(3))  # the same structure
+    p, mbs = params(), gradaccum.MicroBatches([first, empty])
     message = (
         "accumulate(step_fn, n=2)(...): micro-batch 1 of the MicroBatches has 0 rows; a "
         "micro-batch needs at least one row. Drop empty micro-batches before passing them."
@@ -876,7 +877,7 @@ def test_micro_batch_with_0_rows(empty: Any) -> None:
 
 def test_micro_batch_without_tensor_leaf() -> None:
     calls: list[Any] = []
-    p, mbs = params(), gradaccum.MicroBatches([(x(3), y(3)), [1, 2]])
+    p, mbs = params(), gradaccum.MicroBatches([(x(3), y(3)), (1, 2)])
     message = (
         "accumulate(step_fn, n=2)(...) micro-batch 1: expected a batch pytree with at least one "
         "tensor leaf, got leaves int 1, int 2" + NO_TENSOR_TAIL

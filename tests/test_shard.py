@@ -930,7 +930,9 @@ def test_errors_in_a_world_of_one() -> None:
         sp.group_shards("decay")
     with pytest.raises(gradaccum.GradAccumError, match=r"expected a dict of format 'gradaccum"):
         sp.load_state_dict({"shards": list(sp.shards)})
-    with pytest.raises(ValueError, match=r"bucket_mb must be a positive number of MiB, got int 0"):
+    with pytest.raises(
+        ValueError, match=r"bucket_mb must be a positive, finite number of MiB, got int 0"
+    ):
         gradaccum.shard(params, bucket_mb=0)
     with pytest.raises(ValueError, match=r"src must be None or a rank of the group \(0 to 0\)"):
         gradaccum.shard(params, src=1)

@@ -209,7 +209,7 @@ def test_loss_scale_grows_after_the_interval_and_backs_off_on_overflow() -> None
 
 
 CLIP = "clip_by_global_norm(grads, max_norm): "
-SCALE = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval): "
+SCALE = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale): "
 ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
 
 
@@ -219,13 +219,14 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
         (
             lambda: gradaccum.all_reduce(bucket_mb=0),
             ValueError,
-            ALL_REDUCE + "bucket_mb must be a positive number of MiB, got int 0; pass e.g. "
+            ALL_REDUCE + "bucket_mb must be a positive, finite number of MiB, got int 0; pass e.g. "
             "bucket_mb=25 (DDP's default).",
         ),
         (
             lambda: gradaccum.all_reduce(bucket_mb="25"),
             ValueError,
-            ALL_REDUCE + "bucket_mb must be a positive number of MiB, got str '25'; pass e.g. "
+            ALL_REDUCE
+            + "bucket_mb must be a positive, finite number of MiB, got str '25'; pass e.g. "
             "bucket_mb=25 (DDP's default).",
         ),
         (
@@ -238,7 +239,8 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
         (
             lambda: gradaccum.all_reduce(timeout=-1),
             ValueError,
-            ALL_REDUCE + "timeout must be None or a positive number of seconds, got int -1; pass "
+            ALL_REDUCE
+            + "timeout must be None or a positive, finite number of seconds, got int -1; pass "
             "e.g. timeout=60.",
         ),
         (
@@ -282,17 +284,20 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
         (
             lambda: gradaccum.LossScale(init_scale=0),
             ValueError,
-            SCALE + "init_scale must be a positive number, got int 0.",
+            SCALE + "init_scale must be a positive number, got int 0; pass e.g. init_scale=2.0**16 "
+            "(torch.amp.GradScaler's default).",
         ),
         (
             lambda: gradaccum.LossScale(backoff_factor=2.0),
             ValueError,
-            SCALE + "backoff_factor must be a number in (0, 1], got float 2.0.",
+            SCALE + "backoff_factor must be a number in (0, 1], got float 2.0; pass e.g. "
+            "backoff_factor=0.5 (the default), or 1.0 to never back off.",
         ),
         (
             lambda: gradaccum.LossScale(growth_interval=0),
             ValueError,
-            SCALE + "growth_interval must be a positive int, got int 0.",
+            SCALE + "growth_interval must be a positive int (a number of windows), got int 0; pass "
+            "e.g. growth_interval=2000 (the default).",
         ),
         (
             lambda: gradaccum.LossScale().unscale({"w": torch.ones(1)}, 65536.0),
@@ -310,7 +315,8 @@ def test_errors(call: Any, exc: type[BaseException], message: str) -> None:
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize(
     # full: the 16-byte exchange, then the descriptions themselves, in every window
-    ("check", "fingerprints"), [("fingerprint", 3), ("full", 6), ("never", 0)]
+    ("check", "fingerprints"),
+    [("fingerprint", 3), ("full", 6), ("never", 0)],
 )
 def test_check_modes_decide_how_often_the_fingerprint_is_exchanged(
     check: str, fingerprints: int
