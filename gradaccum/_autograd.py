@@ -62,6 +62,11 @@ class GradFn:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = f"{self!r}(...)"
         _sums.make_layout(where, self._target(where, args), None)  # floating leaves only
+        if torch.compiler.is_compiling():
+            # Dynamo does not trace torch.autograd.grad on fresh leaves; the torch.func
+            # transform of the same name computes the same gradients inside the graph.
+            func = torch.func.grad_and_value if self.with_value else torch.func.grad
+            return func(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:

@@ -86,6 +86,12 @@ def check_live(where: str, state: AccumState[Any]) -> None:
     ticket = state.ticket
     if state.sums is None or ticket is None or ticket[0] == state.micro_step:
         return
+    _consumed(where, state)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # the message formats symbolic ints
+def _consumed(where: str, state: AccumState[Any]) -> None:
+    ticket = state.ticket
     by = ticket[1] if ticket[0] < 0 else "add()"
     raise ValueError(
         f"{where}: state was consumed: it was already passed to {by} (at micro-step "
@@ -249,6 +255,8 @@ def weigh(
 
 def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
     """Flatten ``grads`` and check it against the layout; the message names the key path."""
+    if torch.compiler.is_compiling():
+        return _check_traced(where, lay, grads)
     leaves, spec = _tree.flatten(grads)
     if spec == lay.spec:
         # Fast path: one tuple comparison for the shapes, one pass for floating dtypes; the
@@ -303,6 +311,37 @@ def _check_grads(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+# Under torch.compile, Dynamo runs optree's Python polyfill, whose PyTreeSpec cannot be compared
+# with (or unflatten like) the layout's optree PyTreeSpec, made by init outside the compiled
+# region: the traced check matches key paths instead (folded away at trace time), and a bad tree
+# is reported by the eager check, out of the graph (under fullgraph=True, Dynamo's error for the
+# graph break carries this reason, where the torch has reason=).
+_MISMATCH = (
+    "gradaccum: the gradients do not match the params tree (key paths, shapes or floating "
+    "dtypes); run the step without fullgraph=True, or eagerly, for the error naming the leaf"
+)
+try:
+    _check_eager = torch.compiler.disable(_check_grads, reason=_MISMATCH)  # type: ignore[no-untyped-call]
+except TypeError:  # torch < 2.8: no reason=
+    _check_eager = torch.compiler.disable(_check_grads)  # type: ignore[no-untyped-call]
+
+
+def _check_traced(where: str, lay: _Layout, grads: Any) -> list[torch.Tensor]:
+    paths, leaves, _ = _tree.flatten_with_paths(grads)
+    if (
+        tuple(paths) == lay.paths
+        and all(isinstance(g, torch.Tensor) and g.is_floating_point() for g in leaves)
+        and tuple(g.shape for g in leaves) == lay.shapes
+    ):
+        return leaves
+    return _check_eager(where, lay, grads)  # type: ignore[no-any-return]
+
+
+def _spec(lay: _Layout, tree: Any) -> _tree.PyTreeSpec:
+    """``lay.spec``; under torch.compile, the (polyfill) structure of ``tree``, checked like it."""
+    return _tree.flatten(tree)[1] if torch.compiler.is_compiling() else lay.spec
+
+
 def add_grads(
     where: str,
     state: AccumState[T],
@@ -333,7 +372,7 @@ def add_grads(
         if state.sums is None:
             out = sync._allocate(lay) if isinstance(sync, AllReduce) else None
             sums = _tree.unflatten(
-                lay.spec, _reduce.first_add(leaves, lay.accum_dtypes, alpha, out)
+                _spec(lay, grads), _reduce.first_add(leaves, lay.accum_dtypes, alpha, out)
             )
         else:
             sums = state.sums
@@ -415,7 +454,8 @@ def finalize(
     with torch.no_grad():
         _reduce.normalise(reduction, sums, state.weight)
         out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
-    return _tree.unflatten(lay.spec, out), AccumState(None, 0, 0, state.window + 1, lay)
+    grads = _tree.unflatten(_spec(lay, state.sums), out)
+    return grads, AccumState(None, 0, 0, state.window + 1, lay)
 
 
 def abort(

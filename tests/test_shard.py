@@ -439,11 +439,12 @@ def _windows(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _expected(policy: str, gather: str, n: int, plan: list[int], first: bool) -> list[Any]:
+def _expected(policy: str, gather: str, n: int, plan: list[int]) -> list[Any]:
     gathers = [("all_gather", "params", b) for b in plan]
-    seq: list[Any] = gathers if gather == "window" else []
-    if first:
-        seq = [*seq, ("all_reduce", "fingerprint", 2)]
+    # The fingerprint, in every window, before any collective whose sizes depend on the layout.
+    seq: list[Any] = [("all_reduce", "fingerprint", 2)]
+    if gather == "window":
+        seq += gathers
     for _ in range(n):
         if gather == "micro_batch":
             seq += gathers
@@ -467,14 +468,14 @@ def test_collectives_of_a_window() -> None:
         for (policy, gather, fast), windows in out["runs"].items():
             for w, log in enumerate(windows):
                 key = (policy, gather, fast, w)
-                assert log == _expected(policy, gather, 3, plan, first=w == 0), key
+                assert log == _expected(policy, gather, 3, plan), key
                 kinds = Counter((c[0], c[1]) for c in log)
                 assert kinds[("reduce_scatter", "gradients")] == (b if policy == "boundary" else 0)
                 assert kinds[("reduce_scatter", "gradients (every)")] == (
                     3 * b if policy == "every" else 0
                 )
                 assert kinds[("all_reduce", "weight")] == 1
-                assert kinds[("all_reduce", "fingerprint")] == (1 if w == 0 else 0)
+                assert kinds[("all_reduce", "fingerprint")] == 1
                 assert (
                     kinds[("all_gather", "params")]
                     == {
@@ -656,14 +657,15 @@ def _stuck_peer(rank: int, world: int, gather: str) -> Any:
 
 @pytest.mark.parametrize("gather", ["window", "micro_batch"])
 def test_a_stuck_peer_is_a_clear_error_within_the_timeout(gather: str) -> None:
-    """The window's first collective, the params all-gather, raises after the sync's timeout,
-    and the error path does not wait on the broken group again (it would until the peer left)."""
+    """The window's first collective, the fingerprint exchange (before the params all-gather),
+    fails after the sync's timeout, and the error path does not wait on the broken group again
+    (it would until the peer left)."""
     r0, r1 = values(run(_stuck_peer, gather, timeout=60))
     assert r1 == "slept"
     message, took = r0["error"]
     assert message.startswith(
-        "accumulate(mean_loss, n=2)(...): the all_gather of params bucket 1/1 (400 bytes of "
-        "float64) failed on rank 0: "
+        "accumulate(mean_loss, n=2)(...): the fingerprint exchange with the other ranks failed "
+        "on rank 0: "
     ), message
     assert message.endswith(
         "A peer process died, failed before the boundary, or did not reach it in time (timeout: "
