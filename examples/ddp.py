@@ -243,7 +243,8 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     comm_ok = per_bucket and in_window == 0
     say(
         f"collectives while micro-batches ran: {in_window} (in {len(inside)} micro-batch "
-        f"calls); one all_reduce per bucket per step: {per_bucket} {'OK' if comm_ok else 'FAILED'}"
+        f"calls); the fingerprint and one all_reduce per bucket per step: {per_bucket} "
+        f"{'OK' if comm_ok else 'FAILED'}"
     )
     if reference is None:
         say("OK" if comm_ok else "FAILED")

@@ -107,9 +107,9 @@ def test_ddp(ranks: int, args: tuple[str, ...], tol: float) -> None:
     assert f"{ranks} rank(s), gloo on cpu" in stdout
     if ranks == 2:
         assert "global batch 45 rows = [23, 22] per rank" in stdout
-    assert "collectives per step after that: 1: all_reduce of" in stdout
+    assert "collectives per step after that: 2: all_reduce of 16 bytes (fingerprint" in stdout
     assert "collectives while micro-batches ran: 0 " in stdout
-    assert "one all_reduce per bucket per step: True OK" in stdout
+    assert "the fingerprint and one all_reduce per bucket per step: True OK" in stdout
     assert max_difference(stdout) <= tol
 
 
