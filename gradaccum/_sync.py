@@ -251,7 +251,7 @@ class AllReduce:
         else:
             what, options, done = (
                 "gradients to synchronise",
-                "reduction and sync options",
+                "reduction, sync options and (where it sets the collectives) n",
                 "reduced",
             )
         raise GradAccumError(

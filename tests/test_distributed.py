@@ -324,7 +324,8 @@ def test_mismatched_trees_raise_on_every_rank(what: str) -> None:
         assert result[2] == (
             f"accumulate(loss, n=2)(...): the ranks disagree on the gradients to synchronise: "
             f"{detail}. Every rank must pass params with the same key paths, shapes and dtypes, "
-            f"and the same reduction and sync options; nothing was reduced."
+            f"and the same reduction, sync options and (where it sets the collectives) n; "
+            f"nothing was reduced."
         )
 
 
