@@ -49,6 +49,7 @@ def test_dict_insertion_order_does_not_matter(order: list[str]) -> None:
     params = {k: base[k] for k in order}
     acc = gradaccum.Accumulator(n=1)
     state = acc.add(acc.init(params), {k: v + 1 for k, v in reversed(params.items())}, size=2)
+    paths = acc.state_dict(state)["paths"]  # before finalize, which consumes the state
     grads, _ = acc.finalize(state)
-    assert list(acc.state_dict(state)["paths"]) == ["['a']", "['b']", "['c']", "['d']"]
+    assert list(paths) == ["['a']", "['b']", "['c']", "['d']"]
     assert all(torch.equal(grads[k], base[k] + 1) for k in base)
