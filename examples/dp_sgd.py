@@ -92,8 +92,16 @@ def main() -> int:
     if args.check:
         args.noise = 0.0
     init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return train(args)
+    finally:
+        # After train() returned: nothing refers to the group any more (its collective logs
+        # do), so destroying it also stops gloo's threads, before the interpreter exits.
+        dist.destroy_process_group()
 
+
+def train(args: argparse.Namespace) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
     x, y = make_data(args.points, args.seed)
     expected = args.rate * args.points  # L
     model = make_model(args.seed)
@@ -168,7 +176,6 @@ def main() -> int:
                 f"max parameter difference vs the plain loop: {diff:.3e} {'OK' if ok else 'FAIL'}"
             )
         status = status or (0 if ok else 1)
-    dist.destroy_process_group()
     return status
 
 

@@ -7,6 +7,7 @@ the fix (see STYLE.md). Builtin ``TypeError``/``ValueError`` are used for wrong 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -66,22 +67,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # Process groups on which one of gradaccum's collectives failed or timed out. Such a group cannot
 # be reused (the messages say so), so the error path does not try to join the window's boundary
-# on it: that would only wait for more timeouts. Strong references: a group is only added once,
-# when it breaks, and the user then destroys it and builds a new one.
-_BROKEN_GROUPS: list[Any] = []
+# on it: that would only wait for more timeouts. Weak references: a strong one would keep the
+# group's backend (and its gloo threads, possibly still inside an abandoned collective) alive
+# after destroy_process_group(), until interpreter exit, where such a thread aborts the process.
+_BROKEN_GROUPS: list[weakref.ref[Any]] = []
 
 
 def mark_broken(group: Any) -> None:
     """Record that a collective on ``group`` (None: the default group) failed."""
     group = _resolve(group)
-    if group is not None and not any(g is group for g in _BROKEN_GROUPS):
-        _BROKEN_GROUPS.append(group)
+    if group is not None and not is_broken(group):
+        _BROKEN_GROUPS[:] = [r for r in _BROKEN_GROUPS if r() is not None]
+        _BROKEN_GROUPS.append(weakref.ref(group))
 
 
 def is_broken(group: Any) -> bool:
     """Whether a collective on ``group`` (None: the default group) has failed."""
     group = _resolve(group)
-    return group is not None and any(g is group for g in _BROKEN_GROUPS)
+    return group is not None and any(r() is group for r in _BROKEN_GROUPS)
 
 
 def _resolve(group: Any) -> Any:

@@ -3,8 +3,10 @@ returned or raised.
 
 Each rank: pins gloo to the loopback interface, initialises the default process group over a
 TCP store on 127.0.0.1 (a free port), runs ``fn(rank, world, *args)``, sends back
-``("ok", value)`` or ``("err", type_name, message)``, and destroys the process group. The parent
-waits at most ``timeout`` seconds, then kills what is left.
+``("ok", value)`` or ``("err", type_name, message)``, destroys the process group and exits with
+``os._exit(0)`` (no interpreter finalization, which a gloo worker thread still finishing an
+abandoned collective would abort). The parent waits at most ``timeout`` seconds, then kills what
+is left.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import io
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -64,11 +67,21 @@ def _child(
         torch.save(("err", type(err).__name__, f"unpicklable result: {err}", ""), buf)
     out.put((rank, buf.getvalue()))
     out.close()
-    out.join_thread()  # flushed before teardown, which gloo rarely aborts at interpreter exit
+    out.join_thread()  # the result is with the parent before any teardown
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001, S110 - a broken group (killed peer) may refuse
         pass
+    # No interpreter finalization: after a failed or timed-out collective the group's gloo
+    # backend outlives destroy_process_group() (gradaccum still references a broken group), and a
+    # gloo worker thread may still hold the abandoned collective. When that ends (the peer exits
+    # or times out) the thread drops the work's tensors, which takes the GIL; during finalization
+    # CPython ends the thread there with pthread_exit(), inside a C++ destructor, and the process
+    # aborts: "terminate called without an active exception". The result is already with the
+    # parent, which reads only the queue.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _load(payload: bytes) -> tuple[Any, ...]:

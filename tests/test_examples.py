@@ -35,25 +35,14 @@ def run_torchrun(name: str, *args: str, nproc: int = 2) -> str:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env["PYTHONWARNINGS"] = "error"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    for attempt in (1, 2):
-        proc = subprocess.run(
-            [*cmd, "--nproc_per_node", str(nproc), str(EXAMPLES / name), *args],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-            env=env,
-        )
-        # A rare gloo teardown race (about 1 run in 25 here) aborts a rank at interpreter exit,
-        # after destroy_process_group() and after the example printed its verdict. Retry that
-        # case, and only that case, once: the rerun is checked in full.
-        torn_down = (
-            proc.returncode != 0
-            and "terminate called without an active exception" in proc.stderr
-            and proc.stdout.rstrip().endswith("OK")
-        )
-        if not (torn_down and attempt == 1):
-            break
+    proc = subprocess.run(
+        [*cmd, "--nproc_per_node", str(nproc), str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
     assert proc.returncode == 0, (
         f"torchrun {name} {' '.join(args)} exited with {proc.returncode}\n"
         f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
