@@ -72,13 +72,13 @@ def _child(
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001, S110 - a broken group (killed peer) may refuse
         pass
-    # No interpreter finalization: after a failed or timed-out collective the group's gloo
-    # backend outlives destroy_process_group() (gradaccum still references a broken group), and a
-    # gloo worker thread may still hold the abandoned collective. When that ends (the peer exits
-    # or times out) the thread drops the work's tensors, which takes the GIL; during finalization
-    # CPython ends the thread there with pthread_exit(), inside a C++ destructor, and the process
-    # aborts: "terminate called without an active exception". The result is already with the
-    # parent, which reads only the queue.
+    # No interpreter finalization: after a failed or timed-out collective, whatever still refers
+    # to the group (a traceback, an object of fn's) keeps its gloo backend alive past
+    # destroy_process_group(), and a gloo worker thread may still hold the abandoned collective.
+    # When that ends (the peer exits or times out) the thread drops the work's tensors, which
+    # takes the GIL; during finalization CPython ends the thread there with pthread_exit(), inside
+    # a C++ destructor, and the process aborts: "terminate called without an active exception".
+    # The result is already with the parent, which reads only the queue.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
