@@ -35,7 +35,6 @@ __all__ = ["ReduceScatter", "reduce_scatter"]
 Policy = Literal["boundary", "every"]
 POLICIES = ("boundary", "every")
 GATHERS = ("window", "micro_batch")
-_EXAMPLE = "boundary"
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,7 +270,7 @@ def reduce_scatter(
             raise ValueError(
                 f"{where}: policy must map each parameter group {names} to 'boundary' or "
                 f"'every'; missing {missing}, unknown groups {extra}, unknown policies {bad}; "
-                f"pass e.g. policy={{{', '.join(f'{n!r}: {_EXAMPLE!r}' for n in names)}}}."
+                f"pass e.g. policy={ {n: 'boundary' for n in names}!r}."
             )
         policy = dict(policy)
     else:

@@ -9,7 +9,9 @@ bucket of the widest dtype carries two more elements, the window's weight (rows 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -24,6 +26,7 @@ from ._record import record
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
 
+_FINGERPRINT = "the fingerprint exchange with the other ranks"
 Check = Literal["fingerprint", "full", "never"]
 _CHECKS = ("fingerprint", "full", "never")
 
@@ -169,6 +172,14 @@ class AllReduce:
         )
         return self._broken(where, what, rank, err)
 
+    @contextlib.contextmanager
+    def _failing(self, where: str, what: str, rank: int) -> Iterator[None]:
+        """Turn a failed collective (``RuntimeError`` from the backend) into ``_broken``'s error."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise self._broken(where, what, rank, err) from err
+
     def _broken(self, where: str, what: str, rank: int, err: Exception) -> GradAccumError:
         mark_broken(self.group)
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
@@ -208,12 +219,8 @@ class AllReduce:
         device = plan.buckets[0].device
         probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
         record("all_reduce", group, torch.int64, 2, "fingerprint")
-        try:
+        with self._failing(where, _FINGERPRINT, rank):
             work = _comm.all_reduce(probe, group, self.timeout, op=dist.ReduceOp.MAX)
-        except RuntimeError as err:
-            raise self._broken(
-                where, "the fingerprint exchange with the other ranks", rank, err
-            ) from err
         return Probe(work, probe, desc, reduction)
 
     def _agree(self, where: str, pr: Probe, group: Any, rank: int, world: int) -> None:
@@ -222,12 +229,8 @@ class AllReduce:
         With ``check="full"`` the descriptions themselves are compared (a debug mode that
         does not rely on the 62-bit hash).
         """
-        try:
+        with self._failing(where, _FINGERPRINT, rank):
             _comm.wait(pr.work, self.timeout)
-        except RuntimeError as err:
-            raise self._broken(
-                where, "the fingerprint exchange with the other ranks", rank, err
-            ) from err
         hi, neg_lo = pr.probe.tolist()
         if hi == -neg_lo and self.check != "full":
             return

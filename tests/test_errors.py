@@ -524,13 +524,13 @@ def test_error_on_a_later_micro_batch_leaves_no_partial_work() -> None:
     fail_at: list[int] = [2]
     seen: list[int] = []
 
-    def flaky(params: Any, batch: Any) -> Any:
+    def bad_tree_on_micro_batch_2(params: Any, batch: Any) -> Any:
         seen.append(len(seen) + 1)
         g = good(params, batch)
         return {"w": g["w"]} if len(seen) in fail_at else g
 
-    flaky.__name__ = "loss_grad"
-    step = gradaccum.accumulate(flaky, 4)
+    bad_tree_on_micro_batch_2.__name__ = "loss_grad"
+    step = gradaccum.accumulate(bad_tree_on_micro_batch_2, 4)
     message = (
         "accumulate(loss_grad, n=4)(...): the gradients do not match the params tree at <root>: "
         "expected a dict with keys ['b', 'w'], got a dict with keys ['w']" + TREE_TAIL

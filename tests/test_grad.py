@@ -205,13 +205,13 @@ def test_an_error_mid_window_leaves_nothing_behind() -> None:
     params, reg = mlp_params(), regression_batch(8)
     calls = [0]
 
-    def flaky(p: Any, b: Any) -> torch.Tensor:
+    def fails_on_micro_batch_3(p: Any, b: Any) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("boom in micro-batch 3")
         return mean_loss(p, b)
 
-    step = gradaccum.accumulate(gradaccum.grad(flaky), 4)
+    step = gradaccum.accumulate(gradaccum.grad(fails_on_micro_batch_3), 4)
     with pytest.raises(RuntimeError, match="boom"):
         step(params, reg)
     assert max_diff(step(params, reg), torch.func.grad(mean_loss)(params, reg)) < 1e-14
