@@ -15,15 +15,15 @@ cosine decay of the learning rate to zero, one optimizer step per window:
 ``accumulate(gradaccum.grad_and_value(loss_fn), n=4, has_aux=True, sync=...)``, with
 
 - ``exact``: ``gradaccum.all_reduce()``, the reference;
-- ``bf16`` / ``fp16``: ``gradaccum.compressed_all_reduce(torch.bfloat16 / torch.float16)``;
-- ``topk-0.1`` / ``topk-0.01``: ``gradaccum.topk_all_reduce(ratio=0.1 / 0.01)``;
-- ``powersgd-4``: ``gradaccum.powersgd(rank=4)``.
+- ``bf16`` / ``fp16``: ``gradaccum.compression.compressed_all_reduce(torch.bfloat16 / torch.float16)``;
+- ``topk-0.1`` / ``topk-0.01``: ``gradaccum.compression.topk_all_reduce(ratio=0.1 / 0.01)``;
+- ``powersgd-4``: ``gradaccum.compression.powersgd(rank=4)``.
 
 Every strategy starts from the same weights and sees the same batches. Recorded per strategy:
 the training loss of every step (the mean over the global batch: each rank's loss weighted by
 its rows, summed over the ranks by one all_reduce that is not gradaccum's), the loss on 4,096
 held-out rows every 10 steps and at the end ("final loss"), and, with
-``gradaccum.record_collectives()``, the collectives gradaccum issued in every step: their bytes
+``gradaccum.sync.record_collectives()``, the collectives gradaccum issued in every step: their bytes
 per optimizer step (the mean over the steps after the first, split by purpose). The bytes are
 ``Collective.nbytes``: the size of the tensor an all_reduce reduces (what goes in), or of the
 tensor an all_gather fills (what comes out: ``W`` ranks' parts).
@@ -70,15 +70,21 @@ STRATEGIES: dict[str, tuple[str, Callable[[], Any]]] = {  # name -> (what it run
     "exact": ("all_reduce()", lambda: gradaccum.all_reduce()),
     "bf16": (
         "compressed_all_reduce(torch.bfloat16)",
-        lambda: gradaccum.compressed_all_reduce(torch.bfloat16),
+        lambda: gradaccum.compression.compressed_all_reduce(torch.bfloat16),
     ),
     "fp16": (
         "compressed_all_reduce(torch.float16)",
-        lambda: gradaccum.compressed_all_reduce(torch.float16),
+        lambda: gradaccum.compression.compressed_all_reduce(torch.float16),
     ),
-    "topk-0.1": ("topk_all_reduce(ratio=0.1)", lambda: gradaccum.topk_all_reduce(ratio=0.1)),
-    "topk-0.01": ("topk_all_reduce(ratio=0.01)", lambda: gradaccum.topk_all_reduce(ratio=0.01)),
-    "powersgd-4": ("powersgd(rank=4)", lambda: gradaccum.powersgd(rank=4)),
+    "topk-0.1": (
+        "topk_all_reduce(ratio=0.1)",
+        lambda: gradaccum.compression.topk_all_reduce(ratio=0.1),
+    ),
+    "topk-0.01": (
+        "topk_all_reduce(ratio=0.01)",
+        lambda: gradaccum.compression.topk_all_reduce(ratio=0.01),
+    ),
+    "powersgd-4": ("powersgd(rank=4)", lambda: gradaccum.compression.powersgd(rank=4)),
 }
 WORLD = 2
 D_IN, TEACHER_HIDDEN, NOISE = 16, 4, 0.01
@@ -152,7 +158,7 @@ def train_all(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
         for i, (x, y) in enumerate(batches):
             shard = (x.tensor_split(world)[rank], y.tensor_split(world)[rank])
-            with gradaccum.record_collectives() as log:
+            with gradaccum.sync.record_collectives() as log:
                 grads, loss = step(params, shard)
             bytes_by_purpose: dict[str, int] = defaultdict(int)
             for c in log:

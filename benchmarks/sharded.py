@@ -47,7 +47,7 @@ gradients, activations, optimizer temporaries). ``at`` is where the peak was see
 the thread). Peak RSS growth over the same baseline is printed too, but it is coarse (glibc
 keeps freed pages).
 
-Collectives are counted per rank and optimizer step with ``gradaccum.record_collectives()`` on
+Collectives are counted per rank and optimizer step with ``gradaccum.sync.record_collectives()`` on
 the last step (the first one has the one-off tree check in addition), by kind; DDP's with a
 counting comm hook. Step time: median over the steps after the first, the slower rank's, with
 the sampling thread running: secondary information, noisy on a shared machine.
@@ -333,7 +333,7 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             sampler.phase = "window start"
             run.log.clear()
-            with gradaccum.record_collectives() as rec:
+            with gradaccum.sync.record_collectives() as rec:
                 grads = run.window(batch)
             sampler.point("after window")
             grad_bytes = run.apply(grads)

@@ -46,7 +46,7 @@ How to read the output, per model:
   the section's reference (``ddp-no_sync``, or ``hand`` with one process); below 1.00 is faster.
 - ``collectives``: per optimizer step and rank, the collectives issued and the MiB they carry,
   counted in a separate untimed pass (a counting comm hook on fresh DDP / Accelerate models,
-  ``gradaccum.record_collectives()``, the hand loop's own calls).
+  ``gradaccum.sync.record_collectives()``, the hand loop's own calls).
 - ``params``: the largest absolute parameter difference from the reference after all the steps
   (float32; "!" marks one above 1e-4 relative to the largest parameter). A strategy computing
   another gradient would drift far above that.
@@ -243,7 +243,7 @@ def make_strategy(
             if log is None:
                 grads, _ = accumulated(params, batch)
             else:
-                with gradaccum.record_collectives() as rec:
+                with gradaccum.sync.record_collectives() as rec:
                     grads, _ = accumulated(params, batch)
                 for c in rec:
                     _record(log, c.kind, c.numel, c.nbytes, c.purpose)

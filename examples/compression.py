@@ -6,19 +6,19 @@ Nothing is communicated inside the window; at the boundary the window's gradient
 group by the reduction that ``--reduce`` picks:
 
 - ``exact``: ``gradaccum.all_reduce()``, float32, the whole gradient (the reference);
-- ``bf16`` / ``fp16``: ``gradaccum.compressed_all_reduce(torch.bfloat16 / torch.float16)``, each
+- ``bf16`` / ``fp16``: ``gradaccum.compression.compressed_all_reduce(torch.bfloat16 / torch.float16)``, each
   rank's share of the gradient rounded to 16 bits on the wire: half the bytes;
-- ``topk``: ``gradaccum.topk_all_reduce(ratio=--ratio)``, the largest ``ratio`` of the elements
+- ``topk``: ``gradaccum.compression.topk_all_reduce(ratio=--ratio)``, the largest ``ratio`` of the elements
   (values and int64 indices, all-gathered), the rest kept in an error-feedback buffer and sent
   later;
-- ``powersgd``: ``gradaccum.powersgd(rank=--powersgd-rank)``, each weight matrix sent as two
+- ``powersgd``: ``gradaccum.compression.powersgd(rank=--powersgd-rank)``, each weight matrix sent as two
   thin factors (one power iteration per window), with error feedback.
 
 The compressed reductions are ``gradaccum.custom_reduce`` functions: before calling them,
 gradaccum sums the window's rows and a failure flag over the group (a 32-byte all_reduce; it
 also checks that the ranks agree on the gradient tree) and divides each rank's sums by the
 global rows, so every rank's share is at the scale of the gradient and the shares add up to the
-exact gradient of the global batch. The script prints what ``gradaccum.record_collectives()``
+exact gradient of the global batch. The script prints what ``gradaccum.sync.record_collectives()``
 logged per optimizer step and how that compares with the exact all_reduce's bytes, and checks
 that every rank ends with the same parameters.
 
@@ -63,12 +63,12 @@ def make_sync(reduce: str, args: argparse.Namespace):
     if reduce == "exact":
         return gradaccum.all_reduce()
     if reduce == "bf16":
-        return gradaccum.compressed_all_reduce(torch.bfloat16)
+        return gradaccum.compression.compressed_all_reduce(torch.bfloat16)
     if reduce == "fp16":
-        return gradaccum.compressed_all_reduce(torch.float16)
+        return gradaccum.compression.compressed_all_reduce(torch.float16)
     if reduce == "powersgd":
-        return gradaccum.powersgd(rank=args.powersgd_rank)
-    return gradaccum.topk_all_reduce(ratio=args.ratio)
+        return gradaccum.compression.powersgd(rank=args.powersgd_rank)
+    return gradaccum.compression.topk_all_reduce(ratio=args.ratio)
 
 
 def init_distributed(device: str) -> torch.device:
@@ -163,8 +163,8 @@ class Run:
             gradaccum.grad_and_value(loss_fn), args.n, has_aux=True, sync=self.sync
         )
 
-    def train_step(self, shard) -> tuple[torch.Tensor, list[gradaccum.Collective]]:
-        with gradaccum.record_collectives() as log:
+    def train_step(self, shard) -> tuple[torch.Tensor, list[gradaccum.sync.Collective]]:
+        with gradaccum.sync.record_collectives() as log:
             grads, loss = self.step(self.params, shard)  # the (estimated) global gradient
         gradaccum.write_grads(self.model, grads)
         self.optimizer.step()
@@ -187,7 +187,7 @@ class Run:
         return int(differ.item())
 
 
-def per_step_bytes(logs: list[list[gradaccum.Collective]]) -> dict[str, float]:
+def per_step_bytes(logs: list[list[gradaccum.sync.Collective]]) -> dict[str, float]:
     """Mean bytes per optimizer step, by collective and purpose, over the steps after the first."""
     later = logs[1:] or logs
     total: dict[str, float] = defaultdict(float)
@@ -217,7 +217,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         f"{sum(p.numel() for p in run.params.values())} float32 parameters",
     )
 
-    logs: list[list[gradaccum.Collective]] = []
+    logs: list[list[gradaccum.sync.Collective]] = []
     started = time.perf_counter()
     progress = tqdm(range(args.steps), unit="step", disable=rank != 0)
     for i in progress:

@@ -6,7 +6,7 @@ gradient with ``gradaccum.accumulate(..., sync=gradaccum.all_reduce())``. Nothin
 communicated inside the window; at the boundary the window's gradient sums and its rows travel
 in one ``all_reduce`` per 25 MiB bucket (one here), so every rank gets the gradient of the mean
 loss over the *global* batch, exact also when the ranks hold unequal rows (``--batch 45`` on 2
-ranks: 23 and 22). Then, on every rank alike: ``gradaccum.clip_by_global_norm``,
+ranks: 23 and 22). Then, on every rank alike: ``gradaccum.boundary.clip_by_global_norm``,
 ``gradaccum.write_grads``, a ``torch.optim`` optimizer step and an LR scheduler step, once per
 window. The step function is ``gradaccum.grad_and_value``: each micro-batch's backward adds into
 the boundary buckets in place, and the all_reduce of each bucket starts as soon as the last
@@ -19,7 +19,7 @@ With ``--check``, every rank also trains a plain PyTorch reference in float64 in
 the whole global batch (``loss.backward()``, ``clip_grad_norm_``, same optimizer and schedule,
 no communication). The script prints the largest parameter difference between the two and exits
 with status 1 if it exceeds the tolerance (1e-9 for a float64 run, 1e-4 for float32). It also
-prints what ``gradaccum.record_collectives()`` logged per optimizer step, and fails if anything
+prints what ``gradaccum.sync.record_collectives()`` logged per optimizer step, and fails if anything
 had been sent when a micro-batch's forward ran.
 
 Run it (a few seconds on 2 CPU cores)::
@@ -138,7 +138,7 @@ def make_optimizer(model: nn.Module, steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def describe_step(log: list[gradaccum.Collective]) -> str:
+def describe_step(log: list[gradaccum.sync.Collective]) -> str:
     parts = [
         f"{c.kind} of {c.nbytes} bytes ({c.purpose}, {str(c.dtype).removeprefix('torch.')})"
         for c in log
@@ -159,7 +159,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     reference = copy.deepcopy(model).double() if args.check else None
     optimizer, scheduler = make_optimizer(model, args.steps)
 
-    per_step: list[list[gradaccum.Collective]] = []  # what gradaccum sent, window by window
+    per_step: list[list[gradaccum.sync.Collective]] = []  # what gradaccum sent, window by window
     inside: list[int] = []  # what each micro-batch's forward found already sent in its window
 
     def loss_fn(params: dict[str, torch.Tensor], batch) -> torch.Tensor:
@@ -195,10 +195,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         x, y = x.to(device, dtype), y.to(device)
         shard = (x.tensor_split(world)[rank], y.tensor_split(world)[rank])
 
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             per_step.append(log)
             grads, loss = step(params, shard)  # the global batch's gradient, on every rank
-        grads, norm = gradaccum.clip_by_global_norm(grads, args.max_norm)
+        grads, norm = gradaccum.boundary.clip_by_global_norm(grads, args.max_norm)
         clipped += bool(norm > args.max_norm)
         gradaccum.write_grads(model, grads)
         optimizer.step()

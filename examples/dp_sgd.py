@@ -6,9 +6,9 @@ probability ``q``, so its size varies around ``L = q * N``), each rank takes its
 
 - ``torch.func.vmap(torch.func.grad(loss_of_one_sample))`` as the step function (per-sample
   gradients),
-- ``micro_transform=gradaccum.clip_per_sample(C)`` (each sample's gradient clipped to norm ``C``,
+- ``micro_transform=gradaccum.privacy.clip_per_sample(C)`` (each sample's gradient clipped to norm ``C``,
   then summed; ``reduction="sum"``),
-- ``sync=gradaccum.dp_noise(sigma, C, L, seed=...)``: at the boundary the clipped sums are added
+- ``sync=gradaccum.privacy.dp_noise(sigma, C, L, seed=...)``: at the boundary the clipped sums are added
   over the ranks, Gaussian noise of standard deviation ``sigma * C`` is added once (the same draw
   on every rank), and the result is divided by the expected batch size ``L``.
 
@@ -116,8 +116,8 @@ def train(args: argparse.Namespace) -> int:
         vmap(grad(loss_of_one), in_dims=(None, 0)),
         args.n,
         reduction="sum",
-        micro_transform=gradaccum.clip_per_sample(args.clip),
-        sync=gradaccum.dp_noise(args.noise, args.clip, expected, seed=args.seed),
+        micro_transform=gradaccum.privacy.clip_per_sample(args.clip),
+        sync=gradaccum.privacy.dp_noise(args.noise, args.clip, expected, seed=args.seed),
     )
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.5)
     reference = make_model(args.seed) if args.check else None
@@ -130,7 +130,7 @@ def train(args: argparse.Namespace) -> int:
         chosen = (torch.rand(args.points, generator=sampler) < args.rate).nonzero().flatten()
         sizes.append(len(chosen))
         mine = chosen[rank::world]  # this rank's part of the logical batch
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             grads = step(params, (x[mine], y[mine]))
         per_step = [(c.kind, c.purpose, c.nbytes) for c in log]
         gradaccum.write_grads(model, grads)

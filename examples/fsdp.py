@@ -8,7 +8,7 @@ step is one call of ``gradaccum.accumulate(..., sync=gradaccum.reduce_scatter(sh
 ``Sharded`` object: it all-gathers the full parameters (one ``all_gather`` per bucket), runs
 ``-n`` micro-batches through the model, and returns this rank's shard of the gradient of the
 mean loss over the *global* batch, exact when the ranks hold unequal rows (``--batch 45`` on 2
-ranks: 23 and 22). Then ``gradaccum.clip_by_global_norm`` over the shards (one one-element
+ranks: 23 and 22). Then ``gradaccum.boundary.clip_by_global_norm`` over the shards (one one-element
 ``all_reduce``), ``sharded.write_grads`` and ``optimizer.step()``. No module hooks: the module
 itself is moved to the meta device and only lends its structure to ``functional_call``.
 
@@ -26,7 +26,7 @@ With ``--check``, every rank also trains a plain PyTorch reference in float64 in
 the whole global batch (``loss.backward()``, ``clip_grad_norm_``, AdamW with the same parameter
 groups, no communication). The script prints the largest parameter difference between the two
 and exits with status 1 if it exceeds the tolerance (1e-9 for a float64 run, 1e-4 for float32).
-It always prints what ``gradaccum.record_collectives()`` logged per optimizer step, and fails if
+It always prints what ``gradaccum.sync.record_collectives()`` logged per optimizer step, and fails if
 that differs from the count the policy predicts, on any rank.
 
 With ``--checkpoint DIR``, each rank saves its shards and its optimizer state to
@@ -172,8 +172,8 @@ def make_optimizer(groups: dict[str, list[torch.Tensor]]) -> torch.optim.AdamW:
 class Run:
     """One sharded training run: the shards, their optimizer and the accumulated step."""
 
-    sharded: gradaccum.Sharded
-    sync: gradaccum.ReduceScatter
+    sharded: gradaccum.sync.Sharded
+    sync: gradaccum.sync.ReduceScatter
     optimizer: torch.optim.AdamW
     step: Callable
 
@@ -198,11 +198,13 @@ def build(args: argparse.Namespace, model: nn.Module, skeleton: nn.Module) -> Ru
 
 def train_step(
     run: Run, batch, max_norm: float
-) -> tuple[torch.Tensor, torch.Tensor, list[gradaccum.Collective]]:
+) -> tuple[torch.Tensor, torch.Tensor, list[gradaccum.sync.Collective]]:
     """One optimizer step on this rank's part of a global batch; returns what it communicated."""
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         grads, loss = run.step(run.sharded, batch)  # this rank's shards of the global gradient
-        grads, norm = gradaccum.clip_by_global_norm(grads, max_norm, group=dist.group.WORLD)
+        grads, norm = gradaccum.boundary.clip_by_global_norm(
+            grads, max_norm, group=dist.group.WORLD
+        )
     run.sharded.write_grads(grads)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -226,7 +228,7 @@ def expected_collectives(run: Run, n: int) -> collections.Counter:
     return expected
 
 
-def describe_step(log: list[gradaccum.Collective]) -> str:
+def describe_step(log: list[gradaccum.sync.Collective]) -> str:
     count: collections.Counter = collections.Counter()
     nbytes: collections.Counter = collections.Counter()
     for c in log:
@@ -285,7 +287,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         x, y = x.to(device, dtype), y.to(device)
         return x, y, (x.tensor_split(world)[rank], y.tensor_split(world)[rank])
 
-    per_step: list[list[gradaccum.Collective]] = []
+    per_step: list[list[gradaccum.sync.Collective]] = []
     clipped = 0
     started = time.perf_counter()
     progress = tqdm(range(args.steps), unit="step", disable=rank != 0)

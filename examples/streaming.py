@@ -76,13 +76,13 @@ def train(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     acc: gradaccum.Accumulator,
-    state: gradaccum.AccumState,
+    state: gradaccum.streaming.AccumState,
     args: argparse.Namespace,
     *,
     start: tuple[int, int] = (0, 0),
     stop: tuple[int, int] | None = None,
     log: bool = False,
-) -> tuple[gradaccum.AccumState, tuple[int, int] | None]:
+) -> tuple[gradaccum.streaming.AccumState, tuple[int, int] | None]:
     """Train from micro-batch ``start = (epoch, index)``, until ``stop`` or the last epoch.
 
     Returns the accumulator state and where it stopped (``None`` when it ran to the end).
@@ -96,7 +96,7 @@ def train(
     grad_fn = grad_and_value(loss_fn)
     windows: list[int] = []  # micro-batches per window finalized, in this epoch
 
-    def boundary(state: gradaccum.AccumState) -> gradaccum.AccumState:
+    def boundary(state: gradaccum.streaming.AccumState) -> gradaccum.streaming.AccumState:
         windows.append(state.micro_step)
         grads, state = acc.finalize(state)
         gradaccum.write_grads(model, grads)

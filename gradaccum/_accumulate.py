@@ -95,12 +95,12 @@ def accumulate(
             still joins the boundary and re-raises, and every other rank raises
             [`GradAccumError`][gradaccum.GradAccumError] instead of hanging. Or
             [`reduce_scatter()`][gradaccum.reduce_scatter] for sharded params: the function
-            then takes the [`Sharded`][gradaccum.Sharded] (or its gathered params) as its
+            then takes the [`Sharded`][gradaccum.sync.Sharded] (or its gathered params) as its
             params and returns this rank's gradient shards, a tuple aligned with
             ``sharded.shards``. Or a [`custom_reduce()`][gradaccum.custom_reduce] (your own
             boundary reduction, or a built-in one such as
-            [`compressed_all_reduce()`][gradaccum.compressed_all_reduce]); it keeps its state
-            between calls in [`CustomReduce.state`][gradaccum.CustomReduce.state].
+            [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]); it keeps its state
+            between calls in [`CustomReduce.state`][gradaccum.sync.CustomReduce.state].
         micro_transform: A function applied to each micro-batch's gradients (the tree
             ``step_fn`` returns) before they are added, e.g. per-sample clipping of
             ``vmap``-ed per-sample gradients followed by their sum; it must return gradients
@@ -175,7 +175,7 @@ def accumulate(
         raise TypeError(
             f"{where}: micro_transform must be None or a function from one micro-batch's "
             f"gradients to the gradients to add, got {describe(micro_transform)}; pass a "
-            f"function such as gradaccum.clip_per_sample(1.0), or None."
+            f"function such as gradaccum.privacy.clip_per_sample(1.0), or None."
         )
     grad_fn = step_fn if isinstance(step_fn, GradFn) else None
     if argnums is None:

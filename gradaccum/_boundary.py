@@ -64,7 +64,7 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
 
     Examples:
         >>> import torch, gradaccum
-        >>> clipped, norm = gradaccum.clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
+        >>> clipped, norm = gradaccum.boundary.clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
         >>> norm, clipped["w"]
         (tensor(5.), tensor([0.6000, 0.8000]))
     """
@@ -105,7 +105,7 @@ class LossScaleState(NamedTuple):
 
     Examples:
         >>> import io, torch, gradaccum
-        >>> state = gradaccum.LossScale(init_scale=256.0).init()
+        >>> state = gradaccum.boundary.LossScale(init_scale=256.0).init()
         >>> state
         LossScaleState(scale=256.0, good_steps=0)
         >>> buffer = io.BytesIO()
@@ -123,9 +123,9 @@ class LossScaleState(NamedTuple):
 class LossScale:
     """Dynamic loss scaling for float16 training, as pure functions over a state.
 
-    The state is a [`LossScaleState`][gradaccum.LossScaleState]. Multiply the loss by
+    The state is a [`LossScaleState`][gradaccum.boundary.LossScaleState]. Multiply the loss by
     ``state.scale`` inside the step function; at the boundary,
-    [`unscale()`][gradaccum.LossScale.unscale] divides the window's gradient by the scale and
+    [`unscale()`][gradaccum.boundary.LossScale.unscale] divides the window's gradient by the scale and
     decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
     every rank, so the decision is the same everywhere: every rank skips the step or none does.
     The rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it
@@ -151,7 +151,7 @@ class LossScale:
 
     Examples:
         >>> import torch, gradaccum
-        >>> scaler = gradaccum.LossScale(init_scale=1024.0)
+        >>> scaler = gradaccum.boundary.LossScale(init_scale=1024.0)
         >>> state = scaler.init()
         >>> grads, finite, state = scaler.unscale({"w": torch.tensor([2048.0])}, state)
         >>> grads["w"], finite, state
@@ -162,7 +162,7 @@ class LossScale:
 
         The scale stops at ``min_scale``:
 
-        >>> scaler = gradaccum.LossScale(init_scale=4.0, min_scale=1.0)
+        >>> scaler = gradaccum.boundary.LossScale(init_scale=4.0, min_scale=1.0)
         >>> state = scaler.init()
         >>> for _ in range(5):
         ...     _, finite, state = scaler.unscale({"w": torch.tensor([float("nan")])}, state)
@@ -240,7 +240,7 @@ class LossScale:
 
         Args:
             grads: The window's gradients (of the scaled loss).
-            state: The current [`LossScaleState`][gradaccum.LossScaleState].
+            state: The current [`LossScaleState`][gradaccum.boundary.LossScaleState].
             group: ``None``: decide from these gradients alone (enough after an ``all_reduce``
                 sync, where they are identical on every rank). A process group: also agree
                 over it with one one-element ``all_reduce`` (for gradients that differ per rank,

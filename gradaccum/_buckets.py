@@ -26,7 +26,7 @@ FIRST = 2**20  # bytes: the first bucket's limit, as DDP's (so the first all-red
 class Bucket:
     """One flat bucket of the boundary all-reduce, as reported by a dry run.
 
-    [`AllReduce.plan()`][gradaccum.AllReduce.plan] returns them, in the order they are reduced.
+    [`AllReduce.plan()`][gradaccum.sync.AllReduce.plan] returns them, in the order they are reduced.
 
     Attributes:
         dtype: The bucket's dtype (the accumulation dtype of its leaves).

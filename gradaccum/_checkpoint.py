@@ -20,7 +20,7 @@ __all__ = ["check_like", "check_meta", "check_progress", "load", "save"]
 
 T = TypeVar("T")
 
-FORMAT = "gradaccum.AccumState/1"
+FORMAT = "gradaccum.streaming.AccumState/1"
 
 
 def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:

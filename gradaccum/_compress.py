@@ -72,7 +72,7 @@ def compressed_all_reduce(
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
-        A [`CustomReduce`][gradaccum.CustomReduce] to pass as ``sync=``. It keeps no state.
+        A [`CustomReduce`][gradaccum.sync.CustomReduce] to pass as ``sync=``. It keeps no state.
 
     Raises:
         ValueError: ``dtype`` is not bfloat16 or float16, or ``bucket_mb`` is not a positive,
@@ -81,9 +81,9 @@ def compressed_all_reduce(
     Examples:
         >>> import torch, torch.distributed as dist, gradaccum
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> sync = gradaccum.compressed_all_reduce(torch.bfloat16)
+        >>> sync = gradaccum.compression.compressed_all_reduce(torch.bfloat16)
         >>> step = gradaccum.accumulate(lambda p, x: {"w": x.mean(0)}, 2, sync=sync)
-        >>> with gradaccum.record_collectives() as log:
+        >>> with gradaccum.sync.record_collectives() as log:
         ...     grads = step({"w": torch.zeros(3)}, torch.tensor([[1.0, 2.0, 1.001]] * 4))
         >>> grads["w"]  # 1.001 is not a bfloat16 number: it comes back rounded
         tensor([1., 2., 1.])
@@ -167,7 +167,7 @@ def topk_all_reduce(
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
-        A [`CustomReduce`][gradaccum.CustomReduce] to pass as ``sync=``.
+        A [`CustomReduce`][gradaccum.sync.CustomReduce] to pass as ``sync=``.
 
     Raises:
         ValueError: ``ratio`` is not in ``(0, 1]``.
@@ -175,7 +175,7 @@ def topk_all_reduce(
     Examples:
         >>> import torch, torch.distributed as dist, gradaccum
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> sync = gradaccum.topk_all_reduce(ratio=0.5)
+        >>> sync = gradaccum.compression.topk_all_reduce(ratio=0.5)
         >>> step = gradaccum.accumulate(lambda p, x: {"w": x.mean(0)}, 1, sync=sync)
         >>> step({"w": torch.zeros(4)}, torch.tensor([[4.0, -3.0, 2.0, 1.0]]))["w"]
         tensor([ 4., -3.,  0.,  0.])
@@ -261,7 +261,7 @@ def powersgd(
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
-        A [`CustomReduce`][gradaccum.CustomReduce]; its state holds the error-feedback buffers
+        A [`CustomReduce`][gradaccum.sync.CustomReduce]; its state holds the error-feedback buffers
         (``"error"``, shaped like the params) and the ``Q`` factors (``"q"``).
 
     Raises:
@@ -269,7 +269,7 @@ def powersgd(
 
     Examples:
         >>> import torch, gradaccum
-        >>> sync = gradaccum.powersgd(rank=1)
+        >>> sync = gradaccum.compression.powersgd(rank=1)
         >>> step = gradaccum.accumulate(lambda p, x: {"w": x.mean(0)}, 1, sync=sync)
         >>> g = step({"w": torch.zeros(4, 4)}, torch.ones(1, 4, 4))["w"]  # rank 1: exact
         >>> torch.allclose(g, torch.ones(4, 4)), float(sync.state["error"]["w"].abs().max()) < 1e-6

@@ -37,7 +37,7 @@ class CustomReduce:
     """A boundary reduction of the user's (or a built-in one), with its state between windows.
 
     Make one with [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in such as
-    [`compressed_all_reduce()`][gradaccum.compressed_all_reduce]) and pass it as ``sync=``.
+    [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as ``sync=``.
 
     Attributes:
         fn: The reduction: ``fn(grads, state, group) -> (summed_grads, new_state)``.
@@ -49,7 +49,7 @@ class CustomReduce:
 
     Examples:
         >>> import gradaccum
-        >>> sync = gradaccum.topk_all_reduce(ratio=0.01)
+        >>> sync = gradaccum.compression.topk_all_reduce(ratio=0.01)
         >>> sync.name, sync.state  # the state is built at the first window
         ('topk_all_reduce(ratio=0.01)', None)
     """
@@ -69,12 +69,12 @@ class CustomReduce:
 
         [`Accumulator`][gradaccum.Accumulator] keeps it in its own state instead
         (``AccumState.reduce_state``). Save it with your checkpoint and restore it with
-        [`load_state()`][gradaccum.CustomReduce.load_state].
+        [`load_state()`][gradaccum.sync.CustomReduce.load_state].
         """
         return self._state[0]
 
     def load_state(self, state: Any) -> None:
-        """Restore the state that [`state`][gradaccum.CustomReduce.state] returned (resume)."""
+        """Restore the state that [`state`][gradaccum.sync.CustomReduce.state] returned (resume)."""
         self._state[0] = state
 
     def _group(self, where: str) -> tuple[Any, int, int]:
@@ -240,11 +240,11 @@ def custom_reduce(
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the group's timeout.
 
     Returns:
-        A [`CustomReduce`][gradaccum.CustomReduce]. With [`accumulate()`][gradaccum.accumulate]
-        it keeps the state itself ([`state`][gradaccum.CustomReduce.state],
-        [`load_state()`][gradaccum.CustomReduce.load_state]); with
+        A [`CustomReduce`][gradaccum.sync.CustomReduce]. With [`accumulate()`][gradaccum.accumulate]
+        it keeps the state itself ([`state`][gradaccum.sync.CustomReduce.state],
+        [`load_state()`][gradaccum.sync.CustomReduce.load_state]); with
         [`Accumulator`][gradaccum.Accumulator] the state travels in
-        [`AccumState.reduce_state`][gradaccum.AccumState] and is checkpointed with it.
+        [`AccumState.reduce_state`][gradaccum.streaming.AccumState] and is checkpointed with it.
 
     Raises:
         TypeError: ``fn`` or ``init`` is not callable.

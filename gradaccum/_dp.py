@@ -67,7 +67,7 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
 
     Examples:
         >>> import torch, gradaccum
-        >>> clip = gradaccum.clip_per_sample(1.0)
+        >>> clip = gradaccum.privacy.clip_per_sample(1.0)
         >>> clip({"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])})  # norms 5 and 0.5
         {'w': tensor([0.9000, 1.2000])}
     """
@@ -109,7 +109,7 @@ def dp_noise(
     """The DP-SGD boundary: sum over the group, add Gaussian noise once, divide by ``L``.
 
     A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``. Use it with
-    ``reduction="sum"`` and [`clip_per_sample()`][gradaccum.clip_per_sample] as the
+    ``reduction="sum"`` and [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the
     ``micro_transform``, so that the window's local sums are sums of clipped per-sample
     gradients. At the boundary they are summed exactly over the group (one flat ``all_reduce``
     per dtype), then every element gets Gaussian noise of standard deviation
@@ -132,7 +132,7 @@ def dp_noise(
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
-        A [`CustomReduce`][gradaccum.CustomReduce] whose state is the number of windows done.
+        A [`CustomReduce`][gradaccum.sync.CustomReduce] whose state is the number of windows done.
 
     Raises:
         ValueError: A number is not positive and finite (``noise_multiplier`` may be 0: no
@@ -148,8 +148,8 @@ def dp_noise(
         ...     vmap(grad(loss), in_dims=(None, 0)),
         ...     n=2,
         ...     reduction="sum",
-        ...     micro_transform=gradaccum.clip_per_sample(1.0),
-        ...     sync=gradaccum.dp_noise(noise_multiplier=0.0, max_norm=1.0, expected_batch_size=4),
+        ...     micro_transform=gradaccum.privacy.clip_per_sample(1.0),
+        ...     sync=gradaccum.privacy.dp_noise(noise_multiplier=0.0, max_norm=1.0, expected_batch_size=4),
         ... )
         >>> params = {"w": torch.zeros(2)}
         >>> x, y = torch.tensor([[1.0, 0.0]] * 4), torch.tensor([10.0, 10.0, 0.1, 0.1])

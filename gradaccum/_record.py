@@ -18,7 +18,7 @@ _LOGS: list[list[Collective]] = []
 class Collective:
     """One collective issued by gradaccum, as logged by a recorder.
 
-    [`record_collectives()`][gradaccum.record_collectives] yields a list of them.
+    [`record_collectives()`][gradaccum.sync.record_collectives] yields a list of them.
 
     Attributes:
         kind: The torch.distributed function: ``"all_reduce"``, ``"reduce_scatter"``,
@@ -35,7 +35,7 @@ class Collective:
 
     Examples:
         >>> import torch, gradaccum
-        >>> c = gradaccum.Collective("all_reduce", None, torch.float32, 10, 40, "gradients")
+        >>> c = gradaccum.sync.Collective("all_reduce", None, torch.float32, 10, 40, "gradients")
         >>> c.nbytes
         40
     """
@@ -52,13 +52,13 @@ class Collective:
 def record_collectives() -> Iterator[list[Collective]]:
     """Record the collectives gradaccum issues inside the ``with`` block.
 
-    Yields a list that fills with one [`Collective`][gradaccum.Collective] per collective, in
+    Yields a list that fills with one [`Collective`][gradaccum.sync.Collective] per collective, in
     the order they are issued (nested blocks each see all of them). Nothing is recorded for
     collectives other code issues.
 
     Examples:
         >>> import torch, gradaccum
-        >>> with gradaccum.record_collectives() as log:
+        >>> with gradaccum.sync.record_collectives() as log:
         ...     grads = gradaccum.accumulate(lambda p, b: {"w": b.sum() * p["w"]}, n=2)(
         ...         {"w": torch.ones(1)}, torch.ones(4))
         >>> log  # one process, no sync: nothing on the wire
@@ -73,7 +73,7 @@ def record_collectives() -> Iterator[list[Collective]]:
 
 
 def record(kind: str, group: Any, dtype: torch.dtype, numel: int, purpose: str) -> None:
-    """Log one collective in every active [`record_collectives()`][gradaccum.record_collectives]."""
+    """Log one collective in every active [`record_collectives()`][gradaccum.sync.record_collectives]."""
     if not _LOGS:
         return
     item = Collective(kind, group, dtype, numel, numel * dtype.itemsize, purpose)

@@ -43,7 +43,7 @@ class ReduceScatter:
 
     Make one with [`reduce_scatter()`][gradaccum.reduce_scatter] and pass it as ``sync=`` to
     [`accumulate()`][gradaccum.accumulate] or [`Accumulator`][gradaccum.Accumulator]; see
-    there for the options and the contract. Its [`plan()`][gradaccum.ReduceScatter.plan]
+    there for the options and the contract. Its [`plan()`][gradaccum.sync.ReduceScatter.plan]
     lists the buckets without communicating.
 
     Examples:
@@ -180,7 +180,7 @@ def reduce_scatter(
     gradient as a tuple of shards, one per tensor of ``sharded.shards`` (same shape and dtype),
     equal to this rank's slice of the gradient over the *global* batch under the reduction
     (weights and counts are summed over ranks, as with [`all_reduce()`][gradaccum.all_reduce]).
-    Give them to [`Sharded.write_grads()`][gradaccum.Sharded.write_grads].
+    Give them to [`Sharded.write_grads()`][gradaccum.sync.Sharded.write_grads].
 
     Args:
         sharded: What [`shard()`][gradaccum.shard] returned.
@@ -199,7 +199,7 @@ def reduce_scatter(
             A dict from parameter-group name (``param_groups`` of
             [`shard()`][gradaccum.shard]) to policy chooses per group.
         gather: When the accumulated function is called with the
-            [`Sharded`][gradaccum.Sharded] itself as its params: ``"window"`` (default)
+            [`Sharded`][gradaccum.sync.Sharded] itself as its params: ``"window"`` (default)
             all-gathers the full params once per window and keeps them for all micro-batches;
             ``"micro_batch"`` all-gathers them before each micro-batch and drops them after its
             backward (``n`` times the gather traffic; between micro-batches only the shards are
@@ -216,7 +216,7 @@ def reduce_scatter(
             reduce-scatter each bucket during the last backward as soon as it is complete.
 
     Returns:
-        A [`ReduceScatter`][gradaccum.ReduceScatter].
+        A [`ReduceScatter`][gradaccum.sync.ReduceScatter].
 
     Raises:
         TypeError: ``sharded`` is not a Sharded, or an option has the wrong kind.
@@ -231,7 +231,7 @@ def reduce_scatter(
         ...     return (x @ params["w"] + params["b"].sum()).sum()
         >>> sync = gradaccum.reduce_scatter(sharded, policy="every")
         >>> step = gradaccum.accumulate(gradaccum.grad(loss_fn), 2, reduction="sum", sync=sync)
-        >>> with gradaccum.record_collectives() as log:
+        >>> with gradaccum.sync.record_collectives() as log:
         ...     grads = step(sharded, torch.ones(4, 3))  # gathers the params, then 2 micro-batches
         >>> grads  # this rank's gradient shard: w's gradient, then b's
         (tensor([4., 4., 4., 4., 4.]),)

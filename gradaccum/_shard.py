@@ -30,7 +30,7 @@ from ._sync import AllReduce
 
 __all__ = ["Sharded", "shard"]
 
-FORMAT = "gradaccum.Sharded/1"
+FORMAT = "gradaccum.sync.Sharded/1"
 DEFAULT_GROUP = "params"
 
 
@@ -38,10 +38,10 @@ class Sharded:
     """Params sharded over a process group: each rank holds a flat, padded shard.
 
     Make one with [`shard()`][gradaccum.shard]. The optimizer steps on
-    [`shards`][gradaccum.Sharded.shards] (plain tensors, one per parameter group, device and
-    dtype); [`gather()`][gradaccum.Sharded.gather] rebuilds the full params for compute; a
+    [`shards`][gradaccum.sync.Sharded.shards] (plain tensors, one per parameter group, device and
+    dtype); [`gather()`][gradaccum.sync.Sharded.gather] rebuilds the full params for compute; a
     [`reduce_scatter()`][gradaccum.reduce_scatter] sync returns the window's gradient as shards
-    of the same shapes, which [`write_grads()`][gradaccum.Sharded.write_grads] puts in
+    of the same shapes, which [`write_grads()`][gradaccum.sync.Sharded.write_grads] puts in
     ``.grad``.
 
     Attributes:
@@ -130,7 +130,7 @@ class Sharded:
         return self._gather("Sharded.gather()", timeout)
 
     def _gather(self, where: str, timeout: float | None) -> Any:
-        """[`gather`][gradaccum.Sharded.gather], with failures named after ``where``."""
+        """[`gather`][gradaccum.sync.Sharded.gather], with failures named after ``where``."""
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         works = []
@@ -197,7 +197,7 @@ class Sharded:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy saved shards into [`shards`][gradaccum.Sharded.shards] (in place).
+        """Copy saved shards into [`shards`][gradaccum.sync.Sharded.shards] (in place).
 
         The optimizer keeps referring to the same tensors, so load its state afterwards as
         usual. Nothing is changed when the check fails.
@@ -241,8 +241,8 @@ def shard(
     rank ``r`` keeps the ``r``-th chunk of each. Leaves of any size and any mix of floating
     dtypes work; padding is zero and stays zero.
 
-    The returned [`Sharded`][gradaccum.Sharded] gives the optimizer its shard tensors and
-    rebuilds the full params with [`gather()`][gradaccum.Sharded.gather]; pair it with a
+    The returned [`Sharded`][gradaccum.sync.Sharded] gives the optimizer its shard tensors and
+    rebuilds the full params with [`gather()`][gradaccum.sync.Sharded.gather]; pair it with a
     [`reduce_scatter()`][gradaccum.reduce_scatter] sync, which returns the window's gradient
     as shards.
 
@@ -260,7 +260,7 @@ def shard(
             rank's own params, which must then be identical.
 
     Returns:
-        A [`Sharded`][gradaccum.Sharded].
+        A [`Sharded`][gradaccum.sync.Sharded].
 
     Raises:
         RuntimeError: torch.distributed is not initialised.

@@ -42,7 +42,7 @@ T = TypeVar("T")
 class Accumulator:
     """Streaming gradient accumulation over a window of ``n`` micro-batches.
 
-    The configuration is held here; the window lives in an [`AccumState`][gradaccum.AccumState]
+    The configuration is held here; the window lives in an [`AccumState`][gradaccum.streaming.AccumState]
     that the methods take and return (optax-style). Use it when micro-batches come one at a time,
     for example from a DataLoader of micro-batches; [`accumulate()`][gradaccum.accumulate] uses it
     for whole batches.
@@ -119,10 +119,10 @@ class Accumulator:
         Args:
             params: The pytree of floating tensors the gradients are taken with respect to
                 (with a [`reduce_scatter()`][gradaccum.reduce_scatter] sync, the
-                [`Sharded`][gradaccum.Sharded] itself, or its gathered params).
+                [`Sharded`][gradaccum.sync.Sharded] itself, or its gathered params).
 
         Returns:
-            An [`AccumState`][gradaccum.AccumState] with no micro-batch in it.
+            An [`AccumState`][gradaccum.streaming.AccumState] with no micro-batch in it.
         """
         if isinstance(self.sync, ReduceScatter) and params is self.sync.sharded:
             return AccumState(None, 0, 0, 0, with_accum(self.sync.sharded.layout, self.accum_dtype))

@@ -129,7 +129,7 @@ def check_n(where: str, n: object) -> int:
 
 
 def check_state(where: str, state: object) -> None:
-    """Validate that ``state`` is an [`AccumState`][gradaccum.AccumState]."""
+    """Validate that ``state`` is an [`AccumState`][gradaccum.streaming.AccumState]."""
     if not isinstance(state, AccumState):
         raise TypeError(
             f"{where}: state must be an AccumState (from Accumulator.init, add or finalize), got "

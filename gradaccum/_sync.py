@@ -1,7 +1,7 @@
 """The boundary: explicit torch.distributed collectives over flat gradient buckets.
 
 Nothing here runs inside a window. At the boundary the running sums (which, under a sync, are
-views into flat contiguous buckets allocated by [`AllReduce`][gradaccum.AllReduce]) are summed
+views into flat contiguous buckets allocated by [`AllReduce`][gradaccum.sync.AllReduce]) are summed
 over the process group with one asynchronous ``all_reduce`` per bucket, in place. The last
 bucket of the widest dtype carries two more elements, the window's weight (rows or counts) and a
 "this rank failed" flag, so normalisation by the global weight needs no extra round trip.
@@ -67,7 +67,7 @@ class AllReduce:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
 
         Returns:
-            The [`Bucket`][gradaccum.Bucket]s, in the order they are reduced.
+            The [`Bucket`][gradaccum.sync.Bucket]s, in the order they are reduced.
 
         Examples:
             >>> import torch, gradaccum
@@ -326,7 +326,7 @@ def all_reduce(
             gradients at once, so there is nothing to overlap with.
 
     Returns:
-        An [`AllReduce`][gradaccum.AllReduce]; its [`plan()`][gradaccum.AllReduce.plan] reports
+        An [`AllReduce`][gradaccum.sync.AllReduce]; its [`plan()`][gradaccum.sync.AllReduce.plan] reports
         the buckets without communicating.
 
     Raises:
@@ -340,7 +340,7 @@ def all_reduce(
         [18]
 
     See Also:
-        [`record_collectives()`][gradaccum.record_collectives] to count what is communicated.
+        [`record_collectives()`][gradaccum.sync.record_collectives] to count what is communicated.
     """
     where = "all_reduce(group, bucket_mb=..., check=..., timeout=...)"
     if not _positive(bucket_mb):

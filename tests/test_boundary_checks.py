@@ -151,7 +151,7 @@ def recording(calls: list[Any]) -> Any:
 )
 def test_loss_scale_refuses_out_of_range_arguments(kwargs: dict[str, Any], message: str) -> None:
     with raises(ValueError, message):
-        gradaccum.LossScale(**kwargs)
+        gradaccum.boundary.LossScale(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -164,8 +164,8 @@ def test_loss_scale_refuses_out_of_range_arguments(kwargs: dict[str, Any], messa
     ],
 )
 def test_unscale_refuses_a_state_whose_scale_is_not_finite_positive(scale: Any, got: str) -> None:
-    scaler = gradaccum.LossScale()
-    state = gradaccum.LossScaleState(scale, 3)
+    scaler = gradaccum.boundary.LossScale()
+    state = gradaccum.boundary.LossScaleState(scale, 3)
     grads = {"w": torch.tensor([1.0, 2.0])}
     message = (
         UNSCALE + f"state.scale must be a finite positive number, got {got}; start with state = "
@@ -173,7 +173,7 @@ def test_unscale_refuses_a_state_whose_scale_is_not_finite_positive(scale: Any, 
     )
     with unchanged(grads), raises(ValueError, message):
         scaler.unscale(grads, state)
-    assert state == gradaccum.LossScaleState(scale, 3)
+    assert state == gradaccum.boundary.LossScaleState(scale, 3)
 
 
 # -- LossScale: the floor and the ceiling -------------------------------------------------------
@@ -181,23 +181,23 @@ def test_unscale_refuses_a_state_whose_scale_is_not_finite_positive(scale: Any, 
 
 def test_repeated_overflows_stop_at_the_floor_instead_of_dividing_by_zero() -> None:
     """Halving 2**16 about 1100 times used to reach 0.0 and raise ZeroDivisionError."""
-    scaler = gradaccum.LossScale()
+    scaler = gradaccum.boundary.LossScale()
     state = scaler.init()
     overflow = {"w": torch.tensor([float("inf")])}
     for _ in range(1200):
         _, finite, state = scaler.unscale(overflow, state)
         assert not finite
-    assert state == gradaccum.LossScaleState(FLOOR, 0)
+    assert state == gradaccum.boundary.LossScaleState(FLOOR, 0)
     # At the floor, a finite window is still unscaled exactly, and counts towards growth.
     grads, finite, state = scaler.unscale({"w": torch.tensor([2.0**-120], dtype=F64)}, state)
     assert finite
     assert grads["w"].tolist() == [64.0]
-    assert state == gradaccum.LossScaleState(FLOOR, 1)
+    assert state == gradaccum.boundary.LossScaleState(FLOOR, 1)
     assert 1.0 / state.scale < torch.finfo(torch.float32).max
 
 
 def test_min_scale_is_the_floor_of_the_backoff() -> None:
-    scaler = gradaccum.LossScale(init_scale=8.0, min_scale=1.0)
+    scaler = gradaccum.boundary.LossScale(init_scale=8.0, min_scale=1.0)
     state = scaler.init()
     scales = []
     for _ in range(5):
@@ -207,27 +207,29 @@ def test_min_scale_is_the_floor_of_the_backoff() -> None:
 
 
 def test_a_growth_that_would_overflow_the_float_keeps_the_scale() -> None:
-    scaler = gradaccum.LossScale(init_scale=2.0**1023, growth_interval=1)
+    scaler = gradaccum.boundary.LossScale(init_scale=2.0**1023, growth_interval=1)
     _, finite, state = scaler.unscale({"w": torch.zeros(2, dtype=F64)}, scaler.init())
     assert finite
-    assert state == gradaccum.LossScaleState(2.0**1023, 0)
+    assert state == gradaccum.boundary.LossScaleState(2.0**1023, 0)
 
 
 # -- LossScaleState: checkpoints ----------------------------------------------------------------
 
 
 def test_loss_scale_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> None:
-    scaler = gradaccum.LossScale(init_scale=1024.0)
+    scaler = gradaccum.boundary.LossScale(init_scale=1024.0)
     _, _, state = scaler.unscale({"w": torch.ones(2)}, scaler.init())
     path = tmp_path / "checkpoint.pt"
     torch.save({"loss_scale": state, "model": {"w": torch.ones(2)}}, path)
     loaded = torch.load(path, weights_only=True)["loss_scale"]
-    assert type(loaded) is gradaccum.LossScaleState
-    assert loaded == gradaccum.LossScaleState(1024.0, 1)
+    assert type(loaded) is gradaccum.boundary.LossScaleState
+    assert loaded == gradaccum.boundary.LossScaleState(1024.0, 1)
     assert type(loaded.scale) is float
     assert type(loaded.good_steps) is int
     # Training resumes from it as from the original.
-    assert scaler.unscale({"w": torch.ones(2)}, loaded)[2] == gradaccum.LossScaleState(1024.0, 2)
+    assert scaler.unscale({"w": torch.ones(2)}, loaded)[2] == gradaccum.boundary.LossScaleState(
+        1024.0, 2
+    )
 
 
 # -- counts -------------------------------------------------------------------------------------

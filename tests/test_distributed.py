@@ -151,7 +151,7 @@ def _counts(rank: int, world: int) -> dict[str, Any]:
     for w in range(3):
         before = len(calls)
         seen_inside.clear()
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             step(params, _shard(regression_batch(sum(SPLIT), seed=w), rank))
         windows.append(
             {
@@ -163,13 +163,13 @@ def _counts(rank: int, world: int) -> dict[str, Any]:
         )
     out["windows"] = windows
     n1 = gradaccum.accumulate(grad(mean_loss), 1, sync=sync)
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         n1(params, _shard(regression_batch(sum(SPLIT)), rank))
     out["n1"] = len(log)
     # A subgroup (here: both ranks, but not the default group object) is used as given.
     sub = dist.new_group([0, 1])
     step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce(sub))
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         g = step(params, _shard(regression_batch(sum(SPLIT)), rank))
     out["subgroup"] = all(c.group is sub for c in log) and len(log) == 2
     out["subgroup diff"] = max_diff(g, grad(mean_loss)(params, regression_batch(sum(SPLIT))))
@@ -449,7 +449,7 @@ def _boundary(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Loss scaling: rank 1's window overflows; the all-reduced gradient is non-finite on both
     # ranks, so both skip. With group=, ranks agree even on gradients that were never synced.
-    scaler = gradaccum.LossScale(init_scale=2.0**10)
+    scaler = gradaccum.boundary.LossScale(init_scale=2.0**10)
     state = scaler.init()
 
     def scaled(p: Any, b: Any, scale: float) -> torch.Tensor:
@@ -461,7 +461,7 @@ def _boundary(rank: int, world: int) -> dict[str, Any]:
     out["synced finite"] = finite
     out["scale after"] = state.scale
     local = {k: v * (float("inf") if rank == 1 else 1.0) for k, v in params.items()}
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         _, finite_local, _ = scaler.unscale(local, scaler.init(), group=dist.group.WORLD)
         _, finite_alone, _ = scaler.unscale(local, scaler.init())
     out["group finite"] = finite_local
@@ -470,7 +470,7 @@ def _boundary(rank: int, world: int) -> dict[str, Any]:
     # Clip by global norm after the sync equals torch's clip_grad_norm_ on the same gradient.
     step = gradaccum.accumulate(grad(mean_loss), 3, sync=gradaccum.all_reduce())
     g = step(params, _shard(regression_batch(sum(SPLIT)), rank))
-    clipped, norm = gradaccum.clip_by_global_norm(g, 0.05)
+    clipped, norm = gradaccum.boundary.clip_by_global_norm(g, 0.05)
     ref = {k: v.clone() for k, v in g.items()}
     tensors = list(ref.values())
     for t in tensors:

@@ -56,8 +56,8 @@ def dp_step(n: int, sigma: float, size: float, seed: int = 0) -> Any:
         vmap(grad(sample_loss), in_dims=(None, 0)),
         n,
         reduction="sum",
-        micro_transform=gradaccum.clip_per_sample(C),
-        sync=gradaccum.dp_noise(sigma, C, size, seed=seed),
+        micro_transform=gradaccum.privacy.clip_per_sample(C),
+        sync=gradaccum.privacy.dp_noise(sigma, C, size, seed=seed),
     )
 
 
@@ -73,7 +73,7 @@ def test_clip_per_sample_bounds_each_sample_and_sums() -> None:
     }
     scale = torch.tensor([1e-3, 0.1, 0.5, 2.0, 10.0, 1e3], dtype=F64)
     per_sample = {k: v * scale.view(-1, *[1] * (v.dim() - 1)) for k, v in per_sample.items()}
-    got = gradaccum.clip_per_sample(C)(per_sample)
+    got = gradaccum.privacy.clip_per_sample(C)(per_sample)
     want = {k: torch.zeros_like(v[0]) for k, v in per_sample.items()}
     for i in range(6):
         norm = math.sqrt(sum(float(v[i].pow(2).sum()) for v in per_sample.values()))
@@ -91,8 +91,8 @@ def test_clip_per_sample_errors() -> None:
     with pytest.raises(
         ValueError, match=r"max_norm must be a positive, finite number, got int 0; pass"
     ):
-        gradaccum.clip_per_sample(0)
-    clip = gradaccum.clip_per_sample(1.0)
+        gradaccum.privacy.clip_per_sample(0)
+    clip = gradaccum.privacy.clip_per_sample(1.0)
     with pytest.raises(ValueError, match=r"leaf \['b'\] is .* and the first has 3 rows"):
         clip({"a": torch.zeros(3, 2), "b": torch.zeros(4, 2)})
 
@@ -110,7 +110,7 @@ def test_dp_noise_errors(kwargs: dict[str, Any], message: str) -> None:
     args = {"noise_multiplier": 1.0, "max_norm": 1.0, "expected_batch_size": 8.0, **kwargs}
     seed = args.pop("seed", 0)
     with pytest.raises(ValueError, match=message):
-        gradaccum.dp_noise(**args, seed=seed)
+        gradaccum.privacy.dp_noise(**args, seed=seed)
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 12])
@@ -132,8 +132,8 @@ def test_noise_scale_seed_and_windows() -> None:
             vmap(grad(flat), in_dims=(None, 0)),
             2,
             reduction="sum",
-            micro_transform=gradaccum.clip_per_sample(C),
-            sync=gradaccum.dp_noise(2.0, C, 50.0, seed=seed),
+            micro_transform=gradaccum.privacy.clip_per_sample(C),
+            sync=gradaccum.privacy.dp_noise(2.0, C, 50.0, seed=seed),
         )
 
     x = torch.zeros(4, 1, dtype=F64)
@@ -150,7 +150,7 @@ def test_checkpointed_accumulator_resumes_the_same_noise(tmp_path: Any) -> None:
     params, batch = make(rows=8)
     x, y = batch
     per_sample = vmap(grad(sample_loss), in_dims=(None, 0))
-    clip = gradaccum.clip_per_sample(C)
+    clip = gradaccum.privacy.clip_per_sample(C)
 
     def run_windows(acc: gradaccum.Accumulator, state: Any, windows: range) -> tuple[list, Any]:
         out = []
@@ -163,7 +163,7 @@ def test_checkpointed_accumulator_resumes_the_same_noise(tmp_path: Any) -> None:
         return out, state
 
     make_acc = lambda: gradaccum.Accumulator(  # noqa: E731
-        2, reduction="sum", sync=gradaccum.dp_noise(1.0, C, 8.0, seed=3)
+        2, reduction="sum", sync=gradaccum.privacy.dp_noise(1.0, C, 8.0, seed=3)
     )
     acc = make_acc()
     whole, _ = run_windows(acc, acc.init(params), range(3))
@@ -197,10 +197,10 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
         vmap(grad(flat), in_dims=(None, 0)),
         2,
         reduction="sum",
-        micro_transform=gradaccum.clip_per_sample(C),
-        sync=gradaccum.dp_noise(1.5, C, 10.0, seed=5),
+        micro_transform=gradaccum.privacy.clip_per_sample(C),
+        sync=gradaccum.privacy.dp_noise(1.5, C, 10.0, seed=5),
     )
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         noise = step(zero, torch.zeros(4, 1, dtype=F64))["w"]
     return {
         "exact": exact,

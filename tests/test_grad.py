@@ -220,7 +220,7 @@ def test_an_error_mid_window_leaves_nothing_behind() -> None:
 
 def test_no_collective_in_one_process() -> None:
     params, reg = mlp_params(), regression_batch(8)
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         gradaccum.accumulate(gradaccum.grad(mean_loss), 4)(params, reg)
     assert log == []
 

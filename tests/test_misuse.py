@@ -1110,7 +1110,7 @@ LOAD_BAD: list[tuple[str, Callable[[], NS], str | tuple[str, ...], int | None]] 
     ("empty-dict", lambda: {**mid(), "sd": {}}, "format", None),
     (
         "other-format",
-        lambda: saved(lambda sd: sd.update(format="gradaccum.AccumState/0")),
+        lambda: saved(lambda sd: sd.update(format="gradaccum.streaming.AccumState/0")),
         "format",
         None,
     ),
@@ -1404,21 +1404,21 @@ for _id, _norm in [("0", 0), ("negative", -1.0), ("str", "1"), ("bool", True), (
     case(
         f"clip_by_global_norm-max_norm-{_id}",
         lambda: {"grads": grads()},
-        lambda ns, m=_norm: gradaccum.clip_by_global_norm(ns["grads"], m),
+        lambda ns, m=_norm: gradaccum.boundary.clip_by_global_norm(ns["grads"], m),
         ValueError,
         "max_norm",
     )
 case(
     "clip_by_global_norm-group-str",
     lambda: {"grads": grads()},
-    lambda ns: gradaccum.clip_by_global_norm(ns["grads"], 1.0, group="x"),
+    lambda ns: gradaccum.boundary.clip_by_global_norm(ns["grads"], 1.0, group="x"),
     TypeError,
     "group",
 )
 case(
     "clip_by_global_norm-int-leaf",
     lambda: {"grads": {"w": torch.ones(2, dtype=torch.int64)}},
-    lambda ns: gradaccum.clip_by_global_norm(ns["grads"], 1.0),
+    lambda ns: gradaccum.boundary.clip_by_global_norm(ns["grads"], 1.0),
     TypeError,
     "gradient leaf ['w']",
 )
@@ -1441,7 +1441,7 @@ for _id, _kw, _name, _item in [
     case(
         f"LossScale-{_id}",
         dict,
-        lambda ns, kw=_kw: gradaccum.LossScale(**kw),
+        lambda ns, kw=_kw: gradaccum.boundary.LossScale(**kw),
         ValueError,
         _name,
         item=_item,
@@ -1449,21 +1449,23 @@ for _id, _kw, _name, _item in [
 case(
     "LossScale.unscale-state-float",
     lambda: {"grads": grads()},
-    lambda ns: gradaccum.LossScale().unscale(ns["grads"], 65536.0),  # type: ignore[arg-type]
+    lambda ns: gradaccum.boundary.LossScale().unscale(ns["grads"], 65536.0),  # type: ignore[arg-type]
     TypeError,
     "state",
 )
 case(
     "LossScale.unscale-state-scale-inf",
     lambda: {"grads": grads()},
-    lambda ns: gradaccum.LossScale().unscale(ns["grads"], gradaccum.LossScaleState(INF, 0)),
+    lambda ns: gradaccum.boundary.LossScale().unscale(
+        ns["grads"], gradaccum.boundary.LossScaleState(INF, 0)
+    ),
     ValueError,
     "state.scale",
 )
 case(
     "LossScale.unscale-group-str",
-    lambda: {"grads": grads(), "state": gradaccum.LossScale().init()},
-    lambda ns: gradaccum.LossScale().unscale(ns["grads"], ns["state"], group="x"),
+    lambda: {"grads": grads(), "state": gradaccum.boundary.LossScale().init()},
+    lambda ns: gradaccum.boundary.LossScale().unscale(ns["grads"], ns["state"], group="x"),
     TypeError,
     "group",
 )
@@ -1471,9 +1473,9 @@ case(
     "LossScale.unscale-int-leaf",
     lambda: {
         "grads": {"w": torch.ones(2, dtype=torch.int64)},
-        "state": gradaccum.LossScale().init(),
+        "state": gradaccum.boundary.LossScale().init(),
     },
-    lambda ns: gradaccum.LossScale().unscale(ns["grads"], ns["state"]),
+    lambda ns: gradaccum.boundary.LossScale().unscale(ns["grads"], ns["state"]),
     TypeError,
     "gradient leaf ['w']",
 )
@@ -1589,7 +1591,9 @@ for _id, _kw, _name in [
     case(
         f"compressed_all_reduce-{_id}",
         dict,
-        lambda ns, kw=_kw: gradaccum.compressed_all_reduce(**{"dtype": torch.bfloat16, **kw}),
+        lambda ns, kw=_kw: gradaccum.compression.compressed_all_reduce(
+            **{"dtype": torch.bfloat16, **kw}
+        ),
         ValueError,
         _name,
     )
@@ -1597,7 +1601,7 @@ for _id, _ratio in [("0", 0), ("above-1", 1.5), ("negative", -0.1), ("bool", Tru
     case(
         f"topk_all_reduce-ratio-{_id}",
         dict,
-        lambda ns, r=_ratio: gradaccum.topk_all_reduce(ratio=r),
+        lambda ns, r=_ratio: gradaccum.compression.topk_all_reduce(ratio=r),
         ValueError,
         "ratio",
     )
@@ -1605,14 +1609,14 @@ for _id, _rank in [("0", 0), ("float", 2.0)]:
     case(
         f"powersgd-rank-{_id}",
         dict,
-        lambda ns, r=_rank: gradaccum.powersgd(rank=r),
+        lambda ns, r=_rank: gradaccum.compression.powersgd(rank=r),
         ValueError,
         "rank",
     )
 case(
     "powersgd-seed-float",
     dict,
-    lambda ns: gradaccum.powersgd(rank=2, seed=1.5),  # type: ignore[arg-type]
+    lambda ns: gradaccum.compression.powersgd(rank=2, seed=1.5),  # type: ignore[arg-type]
     ValueError,
     "seed",
 )
@@ -1631,7 +1635,7 @@ for _id, _args, _kw, _name in [
     case(
         f"dp_noise-{_id}",
         dict,
-        lambda ns, a=_args, kw=_kw: gradaccum.dp_noise(*a, **kw),
+        lambda ns, a=_args, kw=_kw: gradaccum.privacy.dp_noise(*a, **kw),
         ValueError,
         _name,
     )
@@ -1639,14 +1643,14 @@ for _id, _norm in [("0", 0), ("nan", NAN), ("inf", INF)]:
     case(
         f"clip_per_sample-max_norm-{_id}",
         dict,
-        lambda ns, m=_norm: gradaccum.clip_per_sample(m),
+        lambda ns, m=_norm: gradaccum.privacy.clip_per_sample(m),
         ValueError,
         "max_norm",
     )
 case(
     "clip_per_sample-leading-dims-differ",
     lambda: {"grads": {"w": torch.ones(3, 2, dtype=F64), "b": torch.ones(2, dtype=F64)}},
-    lambda ns: gradaccum.clip_per_sample(1.0)(ns["grads"]),
+    lambda ns: gradaccum.privacy.clip_per_sample(1.0)(ns["grads"]),
     ValueError,
     "leaf ['w']",
 )
@@ -1877,7 +1881,7 @@ def _rs_saved(change: Callable[[dict[str, Any]], None]) -> NS:
 
 
 for _id, _change, _name in [
-    ("format", lambda sd: sd.update(format="gradaccum.AccumState/1"), "format"),
+    ("format", lambda sd: sd.update(format="gradaccum.streaming.AccumState/1"), "format"),
     ("reduction", lambda sd: sd.update(reduction="sum"), "reduction"),
     ("rank", lambda sd: sd.update(rank=1), "rank"),
     ("micro_step-negative", lambda sd: sd.update(micro_step=-1), "micro_step"),
@@ -2001,9 +2005,9 @@ def snapshot(obj: Any, path: str = "ns", out: list[tuple[str, Any]] | None = Non
             snapshot(b, f"{path}.buffer[{k}]", out)
     elif isinstance(obj, torch.optim.Optimizer):
         snapshot(obj.state_dict(), f"{path}.state_dict()", out)
-    elif isinstance(obj, gradaccum.Sharded):
+    elif isinstance(obj, gradaccum.sync.Sharded):
         snapshot(list(obj.shards), f"{path}.shards", out)
-    elif isinstance(obj, gradaccum.CustomReduce):
+    elif isinstance(obj, gradaccum.sync.CustomReduce):
         snapshot(obj.state, f"{path}.state", out)
     elif isinstance(obj, gradaccum.MicroBatches):
         snapshot(list(obj), f"{path}.batches", out)
@@ -2184,10 +2188,10 @@ def test_params_of_again_after_moving_the_module() -> None:
 
 
 def test_loss_scale_state_loads_with_weights_only() -> None:
-    state = gradaccum.LossScale(init_scale=256.0).init()
+    state = gradaccum.boundary.LossScale(init_scale=256.0).init()
     buffer = io.BytesIO()
     torch.save({"loss_scale": state, "step": 3}, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert loaded["loss_scale"] == state
-    assert isinstance(loaded["loss_scale"], gradaccum.LossScaleState)
+    assert isinstance(loaded["loss_scale"], gradaccum.boundary.LossScaleState)

@@ -113,7 +113,7 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
         for w in range(2):
             forwards[0] = 0
             seen.clear()
-            with gradaccum.record_collectives() as log:
+            with gradaccum.sync.record_collectives() as log:
                 g = step(params, _shard(regression_batch(sum(SPLIT), seed=w), rank))
             windows.append(
                 {

@@ -1,4 +1,4 @@
-"""PowerSGD (gradaccum.powersgd) on 2 gloo processes and in one process.
+"""PowerSGD (gradaccum.compression.powersgd) on 2 gloo processes and in one process.
 
 The law it must keep: over any number of windows, the gradients it returned plus what every rank
 holds in its error-feedback buffer add up to the exact window gradients (nothing is lost, only
@@ -42,7 +42,7 @@ def _as_batch(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _law(rank: int, world: int) -> dict[str, Any]:
-    sync = gradaccum.powersgd(rank=2, seed=1)
+    sync = gradaccum.compression.powersgd(rank=2, seed=1)
     step = gradaccum.accumulate(_given, 1, reduction="sum", sync=sync)
     params = _params()
     returned = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -50,7 +50,7 @@ def _law(rank: int, world: int) -> dict[str, Any]:
     logs = []
     for w in range(4):
         mine = _window_grads(rank, w)
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             got = step(params, _as_batch(mine))
         logs.append([(c.kind, c.purpose, c.numel) for c in log])
         for k in params:
@@ -83,7 +83,7 @@ def test_returned_plus_error_buffers_equal_the_exact_sums() -> None:
 
 def test_low_rank_matrices_come_back_exactly() -> None:
     u, v = torch.randn(16, 2, dtype=F64), torch.randn(2, 12, dtype=F64)
-    sync = gradaccum.powersgd(rank=2)
+    sync = gradaccum.compression.powersgd(rank=2)
     step = gradaccum.accumulate(_given, 1, reduction="sum", sync=sync)
     got = step({"m": torch.zeros(16, 12, dtype=F64)}, _as_batch({"m": u @ v}))
     assert float((got["m"] - u @ v).abs().max()) < 1e-10
@@ -92,12 +92,12 @@ def test_low_rank_matrices_come_back_exactly() -> None:
 
 def test_rank_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"rank must be a positive int, got int 0"):
-        gradaccum.powersgd(rank=0)
+        gradaccum.compression.powersgd(rank=0)
 
 
 def test_a_zero_window_keeps_the_warm_start() -> None:
     """A window whose gradient is zero must not zero Q (the next window would get P = 0)."""
-    sync = gradaccum.powersgd(rank=1)
+    sync = gradaccum.compression.powersgd(rank=1)
     step = gradaccum.accumulate(_given, 1, reduction="sum", sync=sync)
     params = {"m": torch.zeros(4, 4, dtype=F64)}
     step(params, _as_batch({"m": torch.zeros(4, 4, dtype=F64)}))

@@ -142,7 +142,7 @@ def _exact(rank: int, world: int) -> bytes:
                 for red, step in accumulated_steps(n, sync, fast).items():
                     key = f"{red} {what} fast={fast} n={n}"
                     current["calls"] = 0
-                    with gradaccum.record_collectives() as log:
+                    with gradaccum.sync.record_collectives() as log:
                         current["log"] = log
                         g = step(params, _shard(batches[red], rank, split))
                     out["diffs"][key] = max_diff(g, ref[red])
@@ -279,12 +279,12 @@ def _topk_accumulator_resume(rank: int, folder: str, out: dict[str, Any]) -> Non
             got.append(_clone(g))
         return got, state
 
-    acc = gradaccum.Accumulator(3, sync=gradaccum.topk_all_reduce(ratio=0.1))
+    acc = gradaccum.Accumulator(3, sync=gradaccum.compression.topk_all_reduce(ratio=0.1))
     full, end = feed(acc, acc.init(params), (0, 0), True)
     out["topk full"] = full
     out["topk full errors"] = _clone(end.reduce_state)
 
-    acc = gradaccum.Accumulator(3, sync=gradaccum.topk_all_reduce(ratio=0.1))
+    acc = gradaccum.Accumulator(3, sync=gradaccum.compression.topk_all_reduce(ratio=0.1))
     sd = torch.load(path, weights_only=True)
     state = acc.load_state_dict(acc.init(params), sd)
     out["loaded reduce_state"] = _clone(state.reduce_state)
@@ -294,7 +294,7 @@ def _topk_accumulator_resume(rank: int, folder: str, out: dict[str, Any]) -> Non
     out["topk resumed errors"] = _clone(end.reduce_state)
 
     # The same checkpoint without the error-feedback state resumes differently: it matters.
-    acc = gradaccum.Accumulator(3, sync=gradaccum.topk_all_reduce(ratio=0.1))
+    acc = gradaccum.Accumulator(3, sync=gradaccum.compression.topk_all_reduce(ratio=0.1))
     state = acc.load_state_dict(acc.init(params), {**sd, "reduce_state": None})
     out["topk resumed without state"], _ = feed(acc, state, stop, False)
 
@@ -303,7 +303,7 @@ def _topk_accumulate_resume(rank: int, folder: str, out: dict[str, Any]) -> None
     """accumulate keeps the state in the sync; load_state restores it (via torch.save/load)."""
     params = mlp_params(kind="dict")
     path = os.path.join(folder, f"sync{rank}.pt")
-    sync = gradaccum.topk_all_reduce(ratio=0.1)
+    sync = gradaccum.compression.topk_all_reduce(ratio=0.1)
     step = gradaccum.accumulate(grad(mean_loss), 3, sync=sync)
     full = []
     for w in range(3):
@@ -312,7 +312,7 @@ def _topk_accumulate_resume(rank: int, folder: str, out: dict[str, Any]) -> None
             torch.save(sync.state, path)
     out["sync full"] = full
     out["sync full state"] = _clone(sync.state)
-    sync = gradaccum.topk_all_reduce(ratio=0.1)
+    sync = gradaccum.compression.topk_all_reduce(ratio=0.1)
     sync.load_state(torch.load(path, weights_only=True))
     step = gradaccum.accumulate(grad(mean_loss), 3, sync=sync)
     out["sync resumed"] = [_clone(step(params, _window_batch(w, rank))) for w in (1, 2)]
@@ -505,10 +505,10 @@ def _compressed(rank: int, out: dict[str, Any]) -> None:
             for mb in (25.0, 1e-6):
                 for fast in (True, False):
                     fn = gradaccum.grad(mean_loss) if fast else grad(mean_loss)
-                    sync = gradaccum.compressed_all_reduce(dtype, bucket_mb=mb)
+                    sync = gradaccum.compression.compressed_all_reduce(dtype, bucket_mb=mb)
                     step = gradaccum.accumulate(fn, 3, sync=sync)
                     key = f"{pname} {str(dtype)[6:]} mb={mb} fast={fast}"
-                    with gradaccum.record_collectives() as log:
+                    with gradaccum.sync.record_collectives() as log:
                         g = step(params, local)
                     out[f"compressed {key}"] = (_clone(g), _log(log), sync.state)
 
@@ -520,9 +520,9 @@ def _topk(rank: int, out: dict[str, Any]) -> None:
     for fast in (True, False):
         for n in (1, 3):
             fn = gradaccum.grad(mean_loss) if fast else grad(mean_loss)
-            sync = gradaccum.topk_all_reduce(ratio=1.0)
+            sync = gradaccum.compression.topk_all_reduce(ratio=1.0)
             step = gradaccum.accumulate(fn, n, sync=sync)
-            with gradaccum.record_collectives() as log:
+            with gradaccum.sync.record_collectives() as log:
                 g = step(params, _shard(reg, rank, SPLIT))
             out[f"topk1 fast={fast} n={n}"] = (
                 max_diff(g, ref),
@@ -531,14 +531,14 @@ def _topk(rank: int, out: dict[str, Any]) -> None:
             )
     # The law: returned + error buffers of every rank == exact sums, over windows.
     for ratio, seed, windows, n in ((0.02, 0, 4, 1), (0.1, 1, 3, 2), (0.37, 2, 5, 3)):
-        sync = gradaccum.topk_all_reduce(ratio=ratio)
+        sync = gradaccum.compression.topk_all_reduce(ratio=ratio)
         step = gradaccum.accumulate(grad(mean_loss), n, sync=sync)
         returned = {k: torch.zeros_like(v) for k, v in params.items()}
         exact = {k: torch.zeros_like(v) for k, v in params.items()}
         logs, nonzero = [], []
         for w in range(windows):
             batch = regression_batch(ROWS, seed=100 * seed + w)
-            with gradaccum.record_collectives() as log:
+            with gradaccum.sync.record_collectives() as log:
                 g = step(params, _shard(batch, rank, SPLIT))
             logs.append(_log(log))
             nonzero.append(sum(int((v != 0).sum()) for v in g.values()))
@@ -555,13 +555,13 @@ def _topk(rank: int, out: dict[str, Any]) -> None:
         }
     # Two dtypes: one top-k per dtype group, k from each group's numel.
     mixed = {"a": torch.zeros(20, dtype=F64), "b": torch.zeros(2, 5, dtype=torch.float32)}
-    sync = gradaccum.topk_all_reduce(ratio=0.3)
+    sync = gradaccum.compression.topk_all_reduce(ratio=0.3)
     step = gradaccum.accumulate(_given, 1, reduction="sum", sync=sync)
     returned = {k: torch.zeros_like(v) for k, v in mixed.items()}
     exact = {k: torch.zeros(v.shape, dtype=F64) for k, v in mixed.items()}
     logs = []
     for w in range(3):
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             g = step(mixed, {k: v[None] for k, v in _given_grads(mixed, rank, w).items()})
         logs.append(_log(log))
         for k in mixed:
@@ -711,7 +711,7 @@ def test_topk_conservation_in_one_process(
     assert not dist.is_initialized()
     params = {f"p{i}": torch.zeros(s, dtype=F64) for i, s in enumerate(sizes)}
     k = max(1, math.ceil(ratio * sum(sizes)))
-    sync = gradaccum.topk_all_reduce(ratio=ratio)
+    sync = gradaccum.compression.topk_all_reduce(ratio=ratio)
     step = gradaccum.accumulate(_given, 1, reduction="sum", sync=sync)
     returned = {key: torch.zeros_like(v) for key, v in params.items()}
     exact = {key: torch.zeros_like(v) for key, v in params.items()}
@@ -883,13 +883,13 @@ def test_errors_and_exactness_in_a_world_of_one() -> None:
         with pytest.raises(ValueError, match=where + r"timeout must be None or a positive"):
             gradaccum.custom_reduce(_exact_sum, timeout=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dtype must be torch\.bfloat16 or torch\.float16"):
-        gradaccum.compressed_all_reduce(torch.float32)
+        gradaccum.compression.compressed_all_reduce(torch.float32)
     for bad in (0, -1.0, True):
         with pytest.raises(ValueError, match=r"bucket_mb must be a positive, finite number of MiB"):
-            gradaccum.compressed_all_reduce(bucket_mb=bad)
+            gradaccum.compression.compressed_all_reduce(bucket_mb=bad)
     for bad in (0, 0.0, 1.5, -0.1, True):
         with pytest.raises(ValueError, match=r"ratio must be a fraction in \(0, 1\]"):
-            gradaccum.topk_all_reduce(ratio=bad)
+            gradaccum.compression.topk_all_reduce(ratio=bad)
     assert gradaccum.custom_reduce(_exact_sum, timeout=5).timeout == 5.0
 
     params, batch = mlp_params(kind="dict"), regression_batch(10)
@@ -901,17 +901,19 @@ def test_errors_and_exactness_in_a_world_of_one() -> None:
         return _exact_sum(grads, state, group)
 
     for fn in (gradaccum.grad(mean_loss), grad(mean_loss)):
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             g = gradaccum.accumulate(fn, 3, sync=gradaccum.custom_reduce(exact))(params, batch)
         assert max_diff(g, ref) < TOL
         assert _log(log) == [("all_reduce", "float64", 4, 32, "weight")]
     assert groups == [dist.group.WORLD] * 2
     # The built-ins are exact in a world of one (bf16 up to rounding).
-    g = gradaccum.accumulate(grad(mean_loss), 3, sync=gradaccum.topk_all_reduce(1.0))(params, batch)
-    assert max_diff(g, ref) < TOL
-    g = gradaccum.accumulate(grad(mean_loss), 3, sync=gradaccum.compressed_all_reduce())(
+    g = gradaccum.accumulate(grad(mean_loss), 3, sync=gradaccum.compression.topk_all_reduce(1.0))(
         params, batch
     )
+    assert max_diff(g, ref) < TOL
+    g = gradaccum.accumulate(
+        grad(mean_loss), 3, sync=gradaccum.compression.compressed_all_reduce()
+    )(params, batch)
     assert max_diff(g, ref) < 1e-2 * max(float(v.abs().max()) for v in ref.values())
     # A window with no rows anywhere has no mean: ValueError, not a division by zero.
     step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.custom_reduce(exact))
@@ -931,7 +933,7 @@ def test_without_torch_distributed() -> None:
         return grads, state + 1
 
     sync = gradaccum.custom_reduce(exact, init=lambda g: 0)
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         g = gradaccum.accumulate(grad(mean_loss), 3, sync=sync)(params, batch)
     assert max_diff(g, ref) < TOL
     assert log == []

@@ -51,7 +51,7 @@ def _bad(diffs: dict[str, float], tol: float = TOL) -> dict[str, float]:
     return {k: v for k, v in diffs.items() if not v < tol}
 
 
-def _assemble(out: gradaccum.Sharded, grads: Any) -> Any:
+def _assemble(out: gradaccum.sync.Sharded, grads: Any) -> Any:
     """The full tree of gradient shards: copied into the shards of ``out``, then gathered.
 
     The shards must match ``out.shards`` in number, shape and dtype.
@@ -319,7 +319,7 @@ def _groups(rank: int, world: int) -> dict[str, Any]:
                     fn = gradaccum.grad(mean_loss) if fast else grad(mean_loss)
                     step = gradaccum.accumulate(fn, n, sync=sync)
                     key = f"w={policy['w']} gather={gather} fast={fast} n={n}"
-                    with gradaccum.record_collectives() as log:
+                    with gradaccum.sync.record_collectives() as log:
                         g = step(sp, _shard(reg, rank, SPLIT))
                     logs[key] = Counter(c.purpose for c in log if c.kind == "reduce_scatter")
                     out["diffs"][key] = max_diff(_assemble(back, g), ref)
@@ -393,10 +393,10 @@ def _log(log: list[Any]) -> list[tuple[str, str, int]]:
 def _windows(rank: int, world: int) -> dict[str, Any]:
     params = mlp_params(kind="dict")
     out: dict[str, Any] = {}
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         sp = gradaccum.shard(params, bucket_mb=1e-5)
     out["shard src=0"] = _log(log)
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         gradaccum.shard(params, bucket_mb=1e-5, src=None)
     out["shard src=None"] = _log(log)
     out["plan"] = [b.numel for b in gradaccum.reduce_scatter(sp).plan()]
@@ -415,7 +415,7 @@ def _windows(rank: int, world: int) -> dict[str, Any]:
                     split = (ROWS - 2, 2) if w == 0 else (ROWS, 0)
                     batch = _shard(regression_batch(ROWS, seed=w), rank, split)
                     arg = sp.gather() if gather == "pre-gathered" else sp
-                    with gradaccum.record_collectives() as log:
+                    with gradaccum.sync.record_collectives() as log:
                         step(arg, batch)
                     windows.append(_log(log))
                 runs[(policy, gather, fast)] = windows
@@ -428,10 +428,10 @@ def _windows(rank: int, world: int) -> dict[str, Any]:
         per = []
         for i in range(3):
             g = grad(mean_loss)(params, regression_batch(4, seed=i))
-            with gradaccum.record_collectives() as log:
+            with gradaccum.sync.record_collectives() as log:
                 state = acc.add(state, g, size=4)
             per.append(_log(log))
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             acc.finalize(state)
         per.append(_log(log))
         acc_logs[policy] = per
@@ -806,10 +806,12 @@ def _transforms(rank: int, world: int) -> dict[str, Any]:
     g = step(sp, _shard(reg, rank, SPLIT))
     out: dict[str, Any] = {"diffs": {}}
     for max_norm in (0.05, 100.0):
-        with gradaccum.record_collectives() as log:
-            clipped, norm = gradaccum.clip_by_global_norm(g, max_norm, group=dist.group.WORLD)
+        with gradaccum.sync.record_collectives() as log:
+            clipped, norm = gradaccum.boundary.clip_by_global_norm(
+                g, max_norm, group=dist.group.WORLD
+            )
         out[f"clip log {max_norm}"] = _log(log)
-        want, want_norm = gradaccum.clip_by_global_norm(ref, max_norm)
+        want, want_norm = gradaccum.boundary.clip_by_global_norm(ref, max_norm)
         tensors = [v.clone() for v in ref.values()]
         for t in tensors:
             t.grad = t.clone()
@@ -821,7 +823,7 @@ def _transforms(rank: int, world: int) -> dict[str, Any]:
             float((a - t.grad).abs().max()) for a, t in zip(want.values(), tensors, strict=True)
         )
         out[f"norm {max_norm}"] = float(norm)
-    scaler = gradaccum.LossScale(init_scale=1024.0)
+    scaler = gradaccum.boundary.LossScale(init_scale=1024.0)
     scaled = tuple(s * 1024.0 for s in g)
     unscaled, finite, state = scaler.unscale(scaled, scaler.init(), group=dist.group.WORLD)
     out["diffs"]["unscaled"] = max_diff(_assemble(back, unscaled), ref)
@@ -830,7 +832,7 @@ def _transforms(rank: int, world: int) -> dict[str, Any]:
         mine = [s.clone() for s in scaled]
         if rank == 1:
             mine[0][0] = bad_value
-        with gradaccum.record_collectives() as log:
+        with gradaccum.sync.record_collectives() as log:
             _, finite, state = scaler.unscale(mine, scaler.init(), group=dist.group.WORLD)
         _, alone, _ = scaler.unscale(mine, scaler.init())
         out[f"found {bad_value}"] = (finite, state, alone, _log(log))
@@ -847,11 +849,11 @@ def test_clip_and_loss_scale_over_the_group_use_the_whole_gradient() -> None:
         assert out["norm 100.0"] < 100.0  # not clipped
         for max_norm in (0.05, 100.0):
             assert out[f"clip log {max_norm}"] == [("all_reduce", "norm", 1)]
-        assert out["finite"] == (True, gradaccum.LossScaleState(1024.0, 1))
+        assert out["finite"] == (True, gradaccum.boundary.LossScaleState(1024.0, 1))
         for bad_value in ("inf", "nan"):
             finite, state, alone, log = out[f"found {bad_value}"]
             assert finite is False, bad_value
-            assert state == gradaccum.LossScaleState(512.0, 0)
+            assert state == gradaccum.boundary.LossScaleState(512.0, 0)
             assert alone is (rank == 0), bad_value  # only rank 1's shard is bad
             assert log == [("all_reduce", "found_inf", 1)]
     assert r0["norm 0.05"] == r1["norm 0.05"]
@@ -944,7 +946,7 @@ def test_errors_in_a_world_of_one() -> None:
         gradaccum.shard({"i": torch.arange(3)})
 
 
-def _unshard(sharded: gradaccum.Sharded, grads: tuple[torch.Tensor, ...]) -> Any:
+def _unshard(sharded: gradaccum.sync.Sharded, grads: tuple[torch.Tensor, ...]) -> Any:
     """Gradient shards as a full tree: put them in the shards a while and gather."""
     saved = [s.clone() for s in sharded.shards]
     with torch.no_grad():

@@ -105,7 +105,7 @@ def test_world_of_one_equals_no_sync_and_grads_are_bucket_views() -> None:
 def test_world_of_one_count_reduction_with_tensor_counts_and_records() -> None:
     params, batch = mlp_params(), token_batch(10)
     step = token_count_step(4, sync=gradaccum.all_reduce())
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         g, (loss, tokens) = step(params, batch)
     assert max_diff(g, grad(token_mean_loss)(params, batch)) < 1e-14
     assert float(tokens) == float(batch["mask"].sum())
@@ -165,7 +165,10 @@ def test_a_step_fn_error_still_joins_the_boundary_and_reraises() -> None:
         return grad(mean_loss)(p, b)
 
     step = gradaccum.accumulate(step_fn, 3, sync=gradaccum.all_reduce())
-    with gradaccum.record_collectives() as log, pytest.raises(FloatingPointError, match="boom"):
+    with (
+        gradaccum.sync.record_collectives() as log,
+        pytest.raises(FloatingPointError, match="boom"),
+    ):
         step(mlp_params(), regression_batch(6))
     assert [c.purpose for c in log] == ["fingerprint", "gradients"]  # joined, flagged
 
@@ -177,7 +180,7 @@ def test_clip_by_global_norm_matches_torch_and_is_pure() -> None:
     g = {"a": torch.randn(5, 3, dtype=F64), "b": torch.randn(7, dtype=F64)}
     before = {k: v.clone() for k, v in g.items()}
     for max_norm in (0.5, 1e6):
-        clipped, norm = gradaccum.clip_by_global_norm(g, max_norm)
+        clipped, norm = gradaccum.boundary.clip_by_global_norm(g, max_norm)
         ref = [v.clone() for v in g.values()]
         for t in ref:
             t.grad = t.clone()
@@ -189,20 +192,20 @@ def test_clip_by_global_norm_matches_torch_and_is_pure() -> None:
 
 
 def test_loss_scale_grows_after_the_interval_and_backs_off_on_overflow() -> None:
-    scaler = gradaccum.LossScale(init_scale=8.0, growth_interval=2)
+    scaler = gradaccum.boundary.LossScale(init_scale=8.0, growth_interval=2)
     state = scaler.init()
     finite_grads = {"w": torch.tensor([8.0, -16.0], dtype=torch.float16)}
     g, finite, state = scaler.unscale(finite_grads, state)
     assert finite
     assert g["w"].tolist() == [1.0, -2.0]
     assert g["w"].dtype == torch.float16
-    assert state == gradaccum.LossScaleState(8.0, 1)
+    assert state == gradaccum.boundary.LossScaleState(8.0, 1)
     _, _, state = scaler.unscale(finite_grads, state)
-    assert state == gradaccum.LossScaleState(16.0, 0)
+    assert state == gradaccum.boundary.LossScaleState(16.0, 0)
     for bad in (float("nan"), float("-inf")):
         _, finite, new = scaler.unscale({"w": torch.tensor([1.0, bad])}, state)
         assert not finite
-        assert new == gradaccum.LossScaleState(8.0, 0)
+        assert new == gradaccum.boundary.LossScaleState(8.0, 0)
     # A large finite fp16 value is not an overflow (no norm that could overflow is taken).
     _, finite, _ = scaler.unscale({"w": torch.full((1000,), 60000.0, dtype=torch.float16)}, state)
     assert finite
@@ -270,37 +273,39 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
             "must be a floating tensor. Move non-tensor values out of the params pytree.",
         ),
         (
-            lambda: gradaccum.clip_by_global_norm({"w": torch.ones(2)}, 0),
+            lambda: gradaccum.boundary.clip_by_global_norm({"w": torch.ones(2)}, 0),
             ValueError,
             CLIP + "max_norm must be a positive number, got int 0; pass e.g. max_norm=1.0.",
         ),
         (
-            lambda: gradaccum.clip_by_global_norm({"w": torch.ones(2, dtype=torch.int64)}, 1.0),
+            lambda: gradaccum.boundary.clip_by_global_norm(
+                {"w": torch.ones(2, dtype=torch.int64)}, 1.0
+            ),
             TypeError,
             CLIP + "gradient leaf ['w'] is Tensor(shape=(2,), dtype=int64); every leaf must be a "
             "floating tensor. Pass the gradients that accumulate() or Accumulator.finalize() "
             "returned.",
         ),
         (
-            lambda: gradaccum.LossScale(init_scale=0),
+            lambda: gradaccum.boundary.LossScale(init_scale=0),
             ValueError,
             SCALE + "init_scale must be a positive number, got int 0; pass e.g. init_scale=2.0**16 "
             "(torch.amp.GradScaler's default).",
         ),
         (
-            lambda: gradaccum.LossScale(backoff_factor=2.0),
+            lambda: gradaccum.boundary.LossScale(backoff_factor=2.0),
             ValueError,
             SCALE + "backoff_factor must be a number in (0, 1], got float 2.0; pass e.g. "
             "backoff_factor=0.5 (the default), or 1.0 to never back off.",
         ),
         (
-            lambda: gradaccum.LossScale(growth_interval=0),
+            lambda: gradaccum.boundary.LossScale(growth_interval=0),
             ValueError,
             SCALE + "growth_interval must be a positive int (a number of windows), got int 0; pass "
             "e.g. growth_interval=2000 (the default).",
         ),
         (
-            lambda: gradaccum.LossScale().unscale({"w": torch.ones(1)}, 65536.0),
+            lambda: gradaccum.boundary.LossScale().unscale({"w": torch.ones(1)}, 65536.0),
             TypeError,
             "LossScale.unscale(grads, state): state must be a LossScaleState, got float 65536.0; "
             "start with state = scaler.init() and pass on the state unscale() returns.",
@@ -323,7 +328,7 @@ def test_check_modes_decide_how_often_the_fingerprint_is_exchanged(
 ) -> None:
     sync = gradaccum.all_reduce(check=check)  # type: ignore[arg-type]
     step = gradaccum.accumulate(grad(mean_loss), 2, sync=sync)
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         for w in range(3):
             step(mlp_params(), regression_batch(4, seed=w))
     assert [c.purpose for c in log].count("fingerprint") == fingerprints
@@ -336,7 +341,7 @@ def test_training_loop_steps_optimizer_and_scheduler_once_per_boundary() -> None
     model = torch.nn.Linear(5, 1).to(F64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    scaler = gradaccum.LossScale(init_scale=4.0)
+    scaler = gradaccum.boundary.LossScale(init_scale=4.0)
     scale = scaler.init()
     calls = {"micro": 0}
 
@@ -353,7 +358,7 @@ def test_training_loop_steps_optimizer_and_scheduler_once_per_boundary() -> None
         grads = step(gradaccum.params_of(model), regression_batch(8, seed=w), scale.scale)
         grads, finite, scale = scaler.unscale(grads, scale)
         if finite:
-            grads, _ = gradaccum.clip_by_global_norm(grads, 1.0)
+            grads, _ = gradaccum.boundary.clip_by_global_norm(grads, 1.0)
             gradaccum.write_grads(model, grads)
             opt.step()
             sched.step()
@@ -362,7 +367,7 @@ def test_training_loop_steps_optimizer_and_scheduler_once_per_boundary() -> None
     assert applied == 2
     assert sched.last_epoch == 2
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
-    assert scale == gradaccum.LossScaleState(2.0, 1)
+    assert scale == gradaccum.boundary.LossScaleState(2.0, 1)
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -370,7 +375,7 @@ def test_abort_and_early_errors_join_the_boundary_flagged() -> None:
     params = mlp_params()
     acc = gradaccum.Accumulator(n=3, sync=gradaccum.all_reduce())
     state = acc.add(acc.init(params), grad(mean_loss)(params, regression_batch(2)), size=2)
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         fresh = acc.abort(state)
     assert [c.purpose for c in log] == ["fingerprint", "gradients"]
     assert (fresh.sums, fresh.weight, fresh.micro_step, fresh.window) == (None, 0, 0, 1)
@@ -379,7 +384,7 @@ def test_abort_and_early_errors_join_the_boundary_flagged() -> None:
     step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce())
     step(params, regression_batch(4))
     bad = {**params, "w1": params["w1"].to(torch.int64)}
-    with gradaccum.record_collectives() as log, pytest.raises(TypeError, match="dtype int64"):
+    with gradaccum.sync.record_collectives() as log, pytest.raises(TypeError, match="dtype int64"):
         step(bad, regression_batch(4))
     assert [c.purpose for c in log] == ["fingerprint", "gradients"]
     # Without sync, abort only discards the window.
@@ -401,7 +406,7 @@ def test_sums_outside_buckets_and_a_weight_only_bucket_are_reduced_correctly() -
     sync = gradaccum.all_reduce()
     step = gradaccum.accumulate(grad(mean_loss), 2, accum_dtype=torch.bfloat16, sync=sync)
     batch = tuple(t.to(torch.bfloat16) for t in regression_batch(6))
-    with gradaccum.record_collectives() as log:
+    with gradaccum.sync.record_collectives() as log:
         out = step(low, batch)
     plain = gradaccum.accumulate(grad(mean_loss), 2, accum_dtype=torch.bfloat16)(low, batch)
     assert max_diff(out, plain) == 0.0

@@ -1,0 +1,5 @@
+"""Streaming accumulation: the state that [`Accumulator`][gradaccum.Accumulator] threads."""
+
+from ._sums import AccumState as AccumState
+
+__all__ = ["AccumState"]
