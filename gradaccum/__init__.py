@@ -20,11 +20,11 @@ from ._module import call_module as call_module
 from ._module import params_of as params_of
 from ._module import update_buffers as update_buffers
 from ._module import write_grads as write_grads
-from ._scatter import reduce_scatter as reduce_scatter
+from ._reduce_scatter import reduce_scatter as reduce_scatter
 from ._shard import shard as shard
 from ._split import MicroBatches as MicroBatches
 from ._state import Accumulator as Accumulator
-from ._sync import all_reduce as all_reduce
+from ._all_reduce import all_reduce as all_reduce
 
 __version__ = "0.1.0"
 

@@ -11,13 +11,12 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from . import _reduce, _shard_window, _split, _sums
+from . import _engine, _reduce, _split
+from ._accum_state import AccumState
 from ._autograd import GradFn
-from ._custom import CustomReduce
 from ._errors import describe
-from ._fast_window import Progress, check_fast, fast_window
-from ._scatter import ReduceScatter
-from ._sync import AllReduce
+from ._layout import Layout, check_accum_dtype, check_n
+from ._window import LOCAL, Sync, WindowSpec, check_sync
 
 __all__ = ["accumulate"]
 
@@ -29,14 +28,14 @@ def accumulate(
     step_fn: Callable[P, R],
     n: int,
     *,
-    has_aux: bool = False,
+    has_aux: bool | None = None,
     reduction: _reduce.Reduction = "mean",
     count: Callable[[Any], int | float | torch.Tensor] | None = None,
     aux_reduction: Any = None,
     argnums: int | tuple[int, ...] | None = None,
     batch_argnum: int = 1,
     accum_dtype: torch.dtype | None = None,
-    sync: AllReduce | ReduceScatter | CustomReduce | None = None,
+    sync: Sync | None = None,
     micro_transform: Callable[[Any], Any] | None = None,
 ) -> Callable[P, R]:
     """Turn a gradient function into one that accumulates over ``n`` micro-batches.
@@ -144,9 +143,12 @@ def accumulate(
             f"accumulate(step_fn, n): step_fn must be callable, got {describe(step_fn)}; pass "
             f"a gradient function such as torch.func.grad(loss_fn)."
         )
-    _sums.check_n(where, n)
+    check_n(where, n)
     reduction = _reduce.check_reduction(where, reduction)
-    _sums.check_accum_dtype(where, accum_dtype)
+    check_accum_dtype(where, accum_dtype)
+    grad_fn = step_fn if isinstance(step_fn, GradFn) else None
+    if has_aux is None:  # a grad_and_value (or has_aux) step function returns a pair
+        has_aux = grad_fn.returns_aux if grad_fn is not None else False
     if not isinstance(has_aux, bool):
         raise TypeError(
             f"{where}: has_aux must be a bool, got {describe(has_aux)}; pass has_aux=True if "
@@ -170,22 +172,23 @@ def accumulate(
             f"has_aux=True or drop aux_reduction=."
         )
     _reduce.check_aux_reduction(where, aux_reduction)
-    _sums.check_sync(where, sync)
+    check_sync(where, sync)
     if micro_transform is not None and not callable(micro_transform):
         raise TypeError(
             f"{where}: micro_transform must be None or a function from one micro-batch's "
             f"gradients to the gradients to add, got {describe(micro_transform)}; pass a "
             f"function such as gradaccum.privacy.clip_per_sample(1.0), or None."
         )
-    grad_fn = step_fn if isinstance(step_fn, GradFn) else None
     if argnums is None:
         argnums = grad_fn.argnums if grad_fn is not None else 0
     grad_args = _check_argnums(where, argnums, batch_argnum)
     if grad_fn is not None:
-        check_fast(where, grad_fn, argnums, has_aux)
+        _check_fast(where, grad_fn, argnums, has_aux)
     # The fast path adds each backward straight into the sums: no gradient tree to transform.
     fast = grad_fn if micro_transform is None else None
-    custom = sync if isinstance(sync, CustomReduce) else None
+    kind: Sync = sync if sync is not None else LOCAL
+    argnum = argnums if isinstance(argnums, int) else None
+    seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
@@ -195,106 +198,46 @@ def accumulate(
                 f"at position {batch_argnum}, got {len(args)} positional argument(s); pass them "
                 f"positionally, e.g. step(params, batch)."
             )
-        scatter = sync if isinstance(sync, ReduceScatter) else None
-        # Given the Sharded itself, the window gathers the params: once, after the fingerprint
-        # (the gathers' sizes depend on the sharded layout), or before each micro-batch.
-        sharded_in = scatter is not None and _shard_window.is_sharded_arg(
-            call, scatter, args, grad_args
-        )
-        regather = sharded_in and scatter.gather == "micro_batch"  # type: ignore[union-attr]
-        target = (
-            args[grad_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in grad_args)
-        )
+        target = args[argnum] if argnum is not None else tuple(args[i] for i in grad_args)
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
-        head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
-        win = Progress()
+        win = _engine.Progress()
+        spec = None
         try:
-            if sharded_in:
-                lay = _sums.with_accum(scatter.sharded.layout, accum_dtype)  # type: ignore[union-attr]
-            else:
-                lay = _sums.make_layout(call, target, accum_dtype)
-                _check_not_empty(call, lay, target, argnums)
-            win.state = _sums.AccumState(None, 0, 0, 0, lay)
-            window = scatter._open(call, lay, reduction, n) if scatter is not None else None
-            if sharded_in and not regather:
-                assert scatter is not None
-                full = scatter.sharded._gather(call, scatter.timeout)
-                args = _shard_window.with_params(args, grad_args[0], full)  # type: ignore[assignment]
-                head, tail = args[:batch_argnum], args[batch_argnum + 1 :]
-                del full
-            if window is not None:
-                window.regather = regather
-            win.state = _sums.AccumState(
-                window, 0, 0, 0, lay, custom.state if custom is not None else None
-            )
+            if seen:
+                spec = WindowSpec(call, seen[0], reduction, n, False, kind.state, target)
+            lay = kind.layout(call, target, accum_dtype, argnums)
+            _check_not_empty(call, lay, target, argnums)
+            seen[:] = [lay]
+            spec = WindowSpec(call, lay, reduction, n, False, kind.state, target)
+            win.state = AccumState(None, 0, 0, 0, lay)
+            win.opening = True
+            win.window = kind.open(spec)
             micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
-            if window is not None and len(micro) > n:
-                raise ValueError(
-                    f"{call}: the batch has {len(micro)} micro-batches but n={n}; with "
-                    f"sync=reduce_scatter(...) every rank runs exactly n micro-steps per window. "
-                    f"Pass at most n micro-batches, or a larger n."
-                )
-            if fast is not None:
-                if window is not None:
-                    run = functools.partial(
-                        _shard_window.fast_window, window=window, regather=regather, n=n
-                    )
-                else:
-                    run = functools.partial(
-                        fast_window,
-                        sync=sync if isinstance(sync, AllReduce) else None,
-                        prescale_ok=sync is None,
-                    )
-                if micro:  # an empty batch runs nothing; the boundary still joins
-                    run(
-                        call,
-                        fast,
-                        args,
-                        kwargs,
-                        batch_argnum,
-                        micro,
-                        win,
-                        aux_acc,
-                        reduction=reduction,
-                        count=count,
-                    )
-            else:
-                for mb, rows in micro:
-                    if regather:
-                        assert window is not None
-                        cur = _shard_window.with_params(args, grad_args[0], window.gather_params())
-                        head, tail = cur[:batch_argnum], cur[batch_argnum + 1 :]
-                    out = step_fn(*head, mb, *tail, **kwargs)  # type: ignore[arg-type]
-                    grads, aux = _unpack(call, out) if has_aux else (out, None)
-                    if micro_transform is not None:
-                        grads = micro_transform(grads)
-                    raw, items, alpha, weight = _sums.weigh(call, reduction, count, rows, aux)
-                    win.state = _sums.add_grads(
-                        call if micro_transform is None else f"{call} after micro_transform",
-                        win.state,
-                        grads,
-                        alpha,
-                        weight,
-                        sync,
-                        reduction,
-                    )
-                    if aux_acc is not None:
-                        aux_acc.add(aux, rows, items, raw)
-                    # Drop this micro-batch's outputs (and any graph they hold) before the next.
-                    del out, mb, grads, aux, raw
-                    if regather:
-                        del head, tail
+            _engine.run(
+                call,
+                step_fn,
+                fast,
+                args,
+                kwargs,
+                micro,
+                win,
+                aux_acc,
+                batch_argnum=batch_argnum,
+                argnum=argnum,
+                reduction=reduction,
+                count=count,
+                has_aux=has_aux,
+                micro_transform=micro_transform,
+            )
         except Exception:
             # Join the boundary flagged as failed, so the other ranks raise instead of hanging.
-            _sums.abort(call, reduction, win.state, sync, win.pending, n=n)
+            _engine.abort(win, kind, spec)
             raise
         # The boundary: the one place that communicates (with sync=).
-        state = win.state
-        grads, after = _sums.finalize(call, reduction, state, sync, pending=win.pending, n=n)
-        if custom is not None:
-            custom.load_state(after.reduce_state)
+        grads = win.window.finish(win.state.weight)
+        kind.load_state(win.window.state)
         if aux_acc is not None:
-            aux_out = aux_acc.result() if state.micro_step else None
+            aux_out = aux_acc.result() if win.state.micro_step else None
             return (grads, aux_out)  # type: ignore[return-value]
         return grads  # type: ignore[no-any-return]
 
@@ -338,7 +281,7 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
 
 
 def _check_not_empty(
-    call: str, lay: _sums._Layout, target: Any, argnums: int | tuple[int, ...]
+    call: str, lay: Layout, target: Any, argnums: int | tuple[int, ...]
 ) -> None:
     """Refuse params with no tensor leaf: nothing to differentiate, nothing to accumulate."""
     if lay.paths:
@@ -354,12 +297,16 @@ def _check_not_empty(
     )
 
 
-def _unpack(call: str, out: Any) -> tuple[Any, Any]:
-    if not isinstance(out, tuple) or len(out) != 2:
-        raise TypeError(
-            f"{call}: with has_aux=True, step_fn must return a pair (grads, aux), got "
-            f"{describe(out)}"
-            f"{' of length ' + str(len(out)) if isinstance(out, (tuple, list)) else ''}; return "
-            f"(grads, aux), as torch.func.grad_and_value does, or pass has_aux=False."
+def _check_fast(where: str, fast: GradFn, argnums: object, has_aux: bool) -> None:
+    if fast.argnums != argnums:
+        raise ValueError(
+            f"{where}: step_fn differentiates argnums={fast.argnums!r} but accumulate was given "
+            f"argnums={argnums!r}; pass the same argnums to both."
         )
-    return out[0], out[1]
+    if fast.returns_aux != has_aux:
+        out = "(grads, value)" if fast.with_value else "(grads, aux)" if fast.has_aux else "grads"
+        raise ValueError(
+            f"{where}: step_fn ({fast!r}) returns {out}, so accumulate needs "
+            f"has_aux={fast.returns_aux}, got has_aux={has_aux}; pass has_aux={fast.returns_aux} "
+            f"(or leave it out: it is inferred from the step function)."
+        )

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from . import _sums, _tree
+from . import _tree
 from ._errors import describe, dtype_name
+from ._layout import make_layout
 
 __all__ = ["GradFn", "grad", "grad_and_value"]
 
@@ -61,7 +62,7 @@ class GradFn:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = f"{self!r}(...)"
-        _sums.make_layout(where, self._target(where, args), None)  # floating leaves only
+        make_layout(where, self._target(where, args), None)  # floating leaves only
         if torch.compiler.is_compiling():
             # Dynamo does not trace torch.autograd.grad on fresh leaves; the torch.func
             # transform of the same name computes the same gradients inside the graph.

@@ -13,14 +13,13 @@ from . import _tree
 from ._errors import GradAccumError, describe, dtype_name
 
 if TYPE_CHECKING:
-    from ._sums import AccumState
-    from ._sync import AllReduce
+    from ._accum_state import AccumState
 
 __all__ = ["check_like", "check_meta", "check_progress", "load", "save"]
 
 T = TypeVar("T")
 
-FORMAT = "gradaccum.streaming.AccumState/1"
+FORMAT = "gradaccum.AccumState/1"
 
 
 def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:
@@ -141,10 +140,9 @@ def load(
     reduction: str,
     state: AccumState[T],
     sd: dict[str, Any],
-    sync: AllReduce | None = None,
     n: int | None = None,
-) -> AccumState[T]:
-    """Validate ``sd`` completely against ``state``'s layout, then build the restored state."""
+) -> tuple[list[torch.Tensor] | None, Any]:
+    """Validate ``sd`` completely against ``state``'s layout; return its sums and weight."""
     where = "Accumulator.load_state_dict(state, state_dict)"
     lay = state.layout
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
@@ -195,23 +193,10 @@ def load(
                 f"{want_shape} {dtype_name(lay.accum_dtypes[i])} (the accumulation dtype); save "
                 f"and load with the same accum_dtype."
             )
-    restored = None
-    if sums is not None:
-        if sync is not None:  # back into flat buckets, so the boundary stays zero-copy
-            views = sync._allocate(lay)
-            for view, saved in zip(views, sums):
-                view.copy_(saved)
-            restored = _tree.unflatten(lay.spec, views)
-        else:
-            restored = _tree.unflatten(
-                lay.spec, [s.to(dev, copy=True) for s, dev in zip(sums, lay.devices)]
-            )
     weight = sd["weight"]
     if isinstance(weight, torch.Tensor):
         weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
-    return type(state)(
-        restored, weight, int(sd["micro_step"]), int(sd["window"]), lay, sd.get("reduce_state")
-    )
+    return sums, weight
 
 
 def check_like(

@@ -12,18 +12,28 @@ that exceeds its own timeout makes the backend's watchdog end the process, so th
 stays on ``Work.wait`` (NCCL honours it), as before.
 
 Each function returns the ``Work`` of an asynchronous collective; ``wait()`` waits for it.
+
+Above them, [`Comm`][gradaccum.sync.Comm] is a sync's process group for one window: every
+collective logged and named, a wait with a timeout, the fingerprint agreement, and the boundary
+tail (the window's weight and a failure flag), each written once here and used by every sync.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Any
+import hashlib
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-__all__ = ["all_gather", "all_reduce", "broadcast", "reduce_scatter", "resolve", "wait"]
+from ._errors import GradAccumError, describe, mark_broken
+from ._record import record
+
+__all__ = ["FINGERPRINT", "Check", "Comm", "Probe", "check_options", "fill_tail", "positive"]
 
 
 def resolve(group: Any) -> Any:
@@ -80,3 +90,279 @@ def wait(work: Any, timeout: float | None) -> None:
         # The collective fails by itself after its timeout; the wait's own bound is a second
         # line for backends that do not apply the option.
         work.wait(timeout=datetime.timedelta(seconds=timeout))
+
+
+# -- the transport a sync uses ------------------------------------------------------------------
+
+FINGERPRINT = "the fingerprint exchange with the other ranks"
+Check = Literal["fingerprint", "full", "never"]
+CHECKS = ("fingerprint", "full", "never")
+
+
+def check_options(where: str, check: object, timeout: object, overlap: object = True) -> None:
+    """Validate the options every sync shares: ``check``, ``timeout``, ``overlap``."""
+    if not isinstance(check, str) or check not in CHECKS:
+        raise ValueError(
+            f"{where}: check must be one of {', '.join(map(repr, CHECKS))}, got "
+            f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
+            f"trees agree in every window), 'full' (a debug mode) or 'never'."
+        )
+    if timeout is not None and not positive(timeout):
+        raise ValueError(
+            f"{where}: timeout must be None or a positive, finite number of seconds, got "
+            f"{describe(timeout)}; pass e.g. timeout=60."
+        )
+    if not isinstance(overlap, bool):
+        raise TypeError(
+            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
+        )
+
+
+def positive(x: object) -> bool:
+    """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
+
+
+class Probe(NamedTuple):
+    """A fingerprint exchange in flight."""
+
+    work: Any
+    tensor: torch.Tensor
+    desc: tuple[str, ...]
+
+
+class Comm:
+    """A sync's process group for one window: collectives that log and name themselves.
+
+    Every collective goes through here: it is recorded for
+    [`record_collectives()`][gradaccum.sync.record_collectives], started with the sync's
+    timeout set on the collective itself, and a failure (a dead or late peer, a timeout) becomes
+    a [`GradAccumError`][gradaccum.GradAccumError] that names the call, the collective and the
+    rank, and marks the group broken (the error path then does not wait on it again).
+
+    Args:
+        where: The call shape that failures are reported against (e.g.
+            ``"accumulate(loss, n=4)(...)"``); may be changed later (``comm.where = ...``).
+        group: A process group, or ``None`` for the default group.
+        timeout: Seconds after which each collective fails; ``None``: the group's timeout.
+        check: ``"fingerprint"``, ``"full"`` or ``"never"``, as in
+            [`all_reduce()`][gradaccum.all_reduce].
+        what: How the sync calls itself when torch.distributed is missing.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: This process is not a member of ``group``.
+
+    Examples:
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> comm = gradaccum.sync.Comm("my_sync", None, timeout=60)
+        >>> t = torch.ones(3)
+        >>> comm.wait(comm.all_reduce(t, "my bucket", "gradients"), "my bucket")
+        >>> comm.rank, comm.world, t
+        (0, 1, tensor([1., 1., 1.]))
+        >>> comm.settle(comm.exchange(torch.device("cpu"), 5, False), "mean")
+        5.0
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        where: str,
+        group: Any,
+        timeout: float | None = None,
+        check: str = "fingerprint",
+        what: str = "sync=all_reduce()",
+    ) -> None:
+        self.where, self.timeout, self.check = where, timeout, check
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{where}: {what} needs torch.distributed initialised, but no process "
+                f"group exists; call torch.distributed.init_process_group(...) first (torchrun "
+                f"sets the environment for it), or drop sync= to train in one process."
+            )
+        pg = resolve(group)
+        rank = -1 if pg is dist.GroupMember.NON_GROUP_MEMBER else dist.get_rank(pg)
+        if rank < 0:
+            raise ValueError(
+                f"{where}: this process (global rank {dist.get_rank()}) is not a member of the "
+                f"sync group {group_name(pg)}; build the sync with a group this rank belongs to "
+                f"(every rank must call dist.new_group with the same ranks)."
+            )
+        self.group, self.rank, self.world = pg, rank, dist.get_world_size(pg)
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def all_reduce(
+        self, tensor: torch.Tensor, what: str, purpose: str, op: Any = dist.ReduceOp.SUM
+    ) -> Any:
+        """Start an in-place sum (or ``op``) of ``tensor`` over the group."""
+        record("all_reduce", self.group, tensor.dtype, tensor.numel(), purpose)
+        with self.failing(what):
+            return all_reduce(tensor, self.group, self.timeout, op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
+        """Start a sum of ``inp`` over the group, this rank's chunk of it into ``out``."""
+        record("reduce_scatter", self.group, inp.dtype, inp.numel(), purpose)
+        with self.failing(what):
+            return reduce_scatter(out, inp, self.group, self.timeout)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
+        """Start gathering every rank's ``inp`` into ``out``, in rank order."""
+        record("all_gather", self.group, out.dtype, out.numel(), purpose)
+        with self.failing(what):
+            return all_gather(out, inp, self.group, self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str, purpose: str) -> Any:
+        """Start a broadcast of ``tensor`` from rank ``src``."""
+        record("broadcast", self.group, tensor.dtype, tensor.numel(), purpose)
+        with self.failing(what):
+            return broadcast(tensor, src, self.group, self.timeout)
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
+        with self.failing(what):
+            wait(work, self.timeout)
+
+    @contextlib.contextmanager
+    def failing(self, what: str) -> Iterator[None]:
+        """Turn a failed collective (``RuntimeError`` from the backend) into ``broken``'s error."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise self.broken(what, err) from err
+
+    def broken(self, what: str, err: Exception) -> GradAccumError:
+        """The error for a failed collective ``what``; the group is marked broken."""
+        mark_broken(self.group)
+        limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return GradAccumError(
+            f"{self.where}: {what} failed on rank {self.rank}: {cause}. A peer process died, "
+            f"failed before the boundary, or did not reach it in time (timeout: {limit}); every "
+            f"rank must call the accumulated function the same number of times. The process "
+            f"group cannot be reused: destroy it and restart from a checkpoint."
+        )
+
+    # -- agreement ------------------------------------------------------------------------------
+
+    def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
+        """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
+
+        ``None`` with ``check="never"``. Wait for it with [`agree()`][gradaccum.sync.Comm.agree]
+        before any collective whose size depends on what ``desc`` describes.
+        """
+        if self.check == "never":
+            return None
+        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
+        h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
+        tensor = torch.tensor([h, -h], dtype=torch.int64, device=device)
+        work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
+        return Probe(work, tensor, desc)
+
+    def agree(self, probe: Probe | None, subject: str = "gradients to synchronise") -> None:
+        """Wait for a fingerprint exchange; when the ranks differ, raise naming the difference.
+
+        With ``check="full"`` the descriptions themselves are compared (a debug mode that does
+        not rely on the 62-bit hash). On a mismatch every rank raises
+        [`GradAccumError`][gradaccum.GradAccumError] and no collective of the window was sent.
+        """
+        if probe is None:
+            return
+        self.wait(probe.work, FINGERPRINT)
+        hi, neg_lo = probe.tensor.tolist()
+        if hi == -neg_lo and self.check != "full":
+            return
+        gathered: list[Any] = [None] * self.world
+        record("all_gather_object", self.group, torch.uint8, 0, "fingerprint")
+        dist.all_gather_object(gathered, probe.desc, group=self.group)
+        diffs = []
+        for r, other in enumerate(gathered):
+            if r == self.rank or other == probe.desc:
+                continue
+            mine, theirs = first_diff(probe.desc, other)
+            diffs.append(f"rank {self.rank} has {mine} but rank {r} has {theirs}")
+        if not diffs:
+            return
+        # No collective of the window was started: the error path must not join a boundary
+        # whose buckets differ between ranks.
+        mark_broken(self.group)
+        if subject == "params to shard":
+            options, done = "bucket_mb and param_groups", "sharded"
+        else:
+            options, done = "reduction, sync options and (where it sets the collectives) n", "reduced"
+        raise GradAccumError(
+            f"{self.where}: the ranks disagree on the {subject}: {'; '.join(diffs)}. Every rank "
+            f"must pass params with the same key paths, shapes and dtypes, and the same "
+            f"{options}; nothing was {done}."
+        )
+
+    # -- the boundary tail ----------------------------------------------------------------------
+
+    def exchange(
+        self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
+    ) -> list[float]:
+        """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums."""
+        tail = torch.zeros(2 + len(extra), dtype=torch.float64, device=device)
+        fill_tail(tail, weight, failed)
+        for j, x in enumerate(extra):
+            tail[2 + j] = x
+        self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
+        return tail.tolist()  # type: ignore[no-any-return]
+
+    def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
+        """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.
+
+        Raises [`GradAccumError`][gradaccum.GradAccumError] when another rank failed in the
+        window (this one did not), and ``ValueError`` when a mean has nothing to divide by.
+        """
+        return settle(self.where, self.world, self.rank, tail, reduction, failed)
+
+
+def settle(
+    where: str, world: int, rank: int, tail: list[float], reduction: str, failed: bool = False
+) -> float:
+    """[`Comm.settle`][gradaccum.sync.Comm.settle] for a group of ``world`` ranks."""
+    total, n_failed = tail[0], tail[1]
+    if n_failed and not failed:
+        raise GradAccumError(
+            f"{where}: {int(n_failed)} other rank(s) of the {world} in the group raised an "
+            f"error during this window (rank {rank} did not); no gradient is returned on any "
+            f"rank. The cause is in the failing rank's traceback."
+        )
+    if not failed and reduction != "sum" and total <= 0:
+        raise ValueError(
+            f"{where}: the window's {'counts' if reduction == 'count' else 'rows'} add up to "
+            f"{total:g} over all {world} ranks, so there is no mean to divide by; skip windows "
+            f"with no items on any rank (e.g. all padding), or use reduction='sum'."
+        )
+    return float(total)
+
+
+def fill_tail(tail: torch.Tensor, weight: Any, failed: bool) -> None:
+    """Write ``[weight, failed]`` into the first two elements of ``tail`` (no host sync)."""
+    if isinstance(weight, torch.Tensor):
+        tail[:1].copy_(weight.reshape(1))
+    else:
+        tail[0] = weight
+    tail[1] = 1.0 if failed else 0.0
+
+
+def group_name(group: Any) -> str:
+    """How messages name a process group."""
+    if group is None or group is dist.group.WORLD:
+        return "the default group"
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here)"
+    return f"{getattr(group, 'group_name', '?')!r}"
+
+
+def first_diff(mine: tuple[str, ...], theirs: Any) -> tuple[str, str]:
+    """The first differing line of two descriptions, phrased for an error message."""
+    theirs = tuple(theirs) if isinstance(theirs, (tuple, list)) else (repr(theirs),)
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return a, b
+    if len(mine) > len(theirs):
+        return mine[len(theirs)], "nothing there"
+    return "nothing there", theirs[len(mine)]

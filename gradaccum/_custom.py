@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _comm, _reduce, _tree
+from . import _reduce, _tree
 from ._buckets import make_plan
-from ._errors import GradAccumError, describe
-from ._record import record
-from ._sync import AllReduce
+from ._comm import Comm, settle
+from ._errors import GradAccumError, describe, is_broken
+from ._window import Sync, Window, WindowSpec
 
 __all__ = ["CustomReduce", "custom_reduce"]
 
@@ -33,7 +33,7 @@ InitFn = Callable[[Any], Any]
 
 
 @dataclass(frozen=True, eq=False)
-class CustomReduce:
+class CustomReduce(Sync):
     """A boundary reduction of the user's (or a built-in one), with its state between windows.
 
     Make one with [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in such as
@@ -60,7 +60,6 @@ class CustomReduce:
     timeout: float | None = None
     name: str = "custom_reduce"
     _state: list[Any] = field(default_factory=lambda: [None], init=False, repr=False)
-    _last: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
     _hashes: dict[Any, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -77,129 +76,93 @@ class CustomReduce:
         """Restore the state that [`state`][gradaccum.sync.CustomReduce.state] returned (resume)."""
         self._state[0] = state
 
-    def _group(self, where: str) -> tuple[Any, int, int]:
-        return AllReduce(self.group, timeout=self.timeout)._group(where, f"sync={self.name}")
+    def open(self, spec: WindowSpec) -> Window:
+        """A window of plain running sums, reduced by ``fn`` at the boundary."""
+        return CustomWindow(self, spec)
 
-    def _sum_weight(
-        self,
-        where: str,
-        lay: Any,
-        reduction: str,
-        group: Any,
-        rank: int,
-        weight: Any,
-        failed: bool,
-    ) -> tuple[float, float, bool]:
-        """All-reduce ``[weight, failed, h, h**2]`` (float64, 32 bytes).
-
-        Returns the global weight, the number of failed ranks, and whether every rank has the
-        same 20-bit hash ``h`` of its gradient tree, reduction and reduction function: the sums
-        of ``h`` and ``h**2`` are exact in float64, and ``world * sum(h**2) == sum(h)**2`` only
-        when all the ``h`` are equal.
-        """
-        device = lay.devices[0] if lay is not None and lay.devices else torch.device("cpu")
-        tail = torch.zeros(4, dtype=torch.float64, device=device)
-        if isinstance(weight, torch.Tensor):
-            tail[:1].copy_(weight.reshape(1))
-        else:
-            tail[0] = weight
-        tail[1] = 1.0 if failed else 0.0
-        h = self._hash(lay, reduction) if lay is not None else 0
-        tail[2], tail[3] = float(h), float(h * h)
-        record("all_reduce", group, torch.float64, 4, "weight")
-        try:
-            work = _comm.all_reduce(tail, group, self.timeout)
-            _comm.wait(work, self.timeout)
-        except RuntimeError as err:
-            comm = AllReduce(self.group, timeout=self.timeout)
-            raise comm._broken(where, "the weight all_reduce", rank, err) from err
-        total, n_failed, sum_h, sum_h2 = tail.tolist()
-        world = dist.get_world_size(group)
-        return total, n_failed, world * sum_h2 == sum_h * sum_h
-
-    def _hash(self, lay: Any, reduction: str) -> int:
-        """A 20-bit hash of the gradient tree, reduction and function (cached per layout)."""
-        h = self._hashes.get((lay, reduction))
+    def _hash(self, spec: WindowSpec) -> int:
+        """A 20-bit hash of the gradient tree, reduction, function and (Accumulator) ``n``."""
+        key = (spec.layout, spec.reduction, spec.n if spec.agree_n else None)
+        h = self._hashes.get(key)
         if h is None:
-            desc = (*make_plan(lay, 1).description, f"reduction={reduction!r}", self.name)
+            desc = (*make_plan(spec.layout, 1).description, *map(str, key[1:]), self.name)
             digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
-            h = self._hashes[(lay, reduction)] = int.from_bytes(digest, "little") % 2**20 + 1
+            h = self._hashes[key] = int.from_bytes(digest, "little") % 2**20 + 1
         return h
 
-    def _finish(
-        self,
-        where: str,
-        reduction: str,
-        lay: Any | None,
-        sums: list[torch.Tensor] | None,
-        weight: Any,
-        reduce_state: Any,
-        failed: bool,
-    ) -> tuple[list[torch.Tensor], Any]:
-        """The boundary: sum the weight, take this rank's share, apply ``fn``, check its output."""
-        if lay is None:  # a rank that failed before its window had a layout
-            lay = self._last[0] if self._last else None
+
+class CustomWindow(Window):
+    """A window of a custom reduction: plain sums; the boundary calls the user's ``fn``."""
+
+    def __init__(self, sync: CustomReduce, spec: WindowSpec) -> None:
+        super().__init__(spec)
+        self.sync = sync
+        self.comm: Comm | None = None  # made at the boundary, where the group is first needed
+
+    def finish(self, weight: Any, failed: bool = False) -> Any:
+        """Sum the weight (and check the tree) over the group, take the share, apply ``fn``.
+
+        The one collective is an all-reduce of ``[weight, failed, h, h**2]`` (float64, 32
+        bytes): every rank has the same 20-bit hash ``h`` of its gradient tree, reduction and
+        function exactly when ``world * sum(h**2) == sum(h)**2`` (exact in float64).
+        """
+        sync, lay, where, reduction = self.sync, self.layout, self.where, self.spec.reduction
+        if sync.group is not None or (dist.is_available() and dist.is_initialized()):
+            self.comm = Comm(where, sync.group, sync.timeout, what=f"sync={sync.name}")
+        comm, group, world = self.comm, None, 1
+        if comm is None:  # one process without torch.distributed: nobody to talk to
+            total, agree = float(weight), True
         else:
-            self._last[:] = [lay]
-        if self.group is None and not (dist.is_available() and dist.is_initialized()):
-            group: Any = None  # one process: nobody to talk to
-            rank, world = 0, 1
-            total, n_failed, agree = float(weight), 0.0, True
-        else:
-            group, rank, world = self._group(where)
-            total, n_failed, agree = self._sum_weight(
-                where, lay, reduction, group, rank, weight, failed
-            )
-        if failed or lay is None:
-            return [], reduce_state
-        if n_failed:
-            raise GradAccumError(
-                f"{where}: {int(n_failed)} other rank(s) of the {world} in the group raised an "
-                f"error during this window (rank {rank} did not); no gradient is returned on any "
-                f"rank. The cause is in the failing rank's traceback."
-            )
+            comm.where, group, world = where, comm.group, comm.world
+            h = float(sync._hash(self.spec))
+            dev = lay.devices[0] if lay.devices else torch.device("cpu")
+            tail = comm.exchange(dev, weight, failed, (h, h * h))
+            if failed:
+                return None
+            if tail[1]:
+                comm.settle(tail, reduction)  # raises: another rank failed
+            total, agree = tail[0], world * tail[3] == tail[2] * tail[2]
         if not agree:
             raise GradAccumError(
-                f"{where}: the ranks disagree on the gradients to reduce with {self.name} (their "
-                f"params' key paths, shapes or dtypes, the reduction, or the reduction function "
-                f"differ); nothing was reduced. Every rank must pass params of the same tree and "
-                f"the same reduction; gradaccum.all_reduce() names the difference."
+                f"{where}: the ranks disagree on the gradients to reduce with {sync.name} (their "
+                f"params' key paths, shapes or dtypes, the reduction, n, or the reduction "
+                f"function differ); nothing was reduced. Every rank must pass params of the "
+                f"same tree and the same reduction; gradaccum.all_reduce() names the difference."
             )
-        if reduction != "sum" and total <= 0:
-            raise ValueError(
-                f"{where}: the window's {'counts' if reduction == 'count' else 'rows'} add up to "
-                f"{total:g} over all {world} ranks, so there is no mean to divide by; skip "
-                f"windows with no items on any rank (e.g. all padding), or use reduction='sum'."
-            )
-        if sums is None:  # an empty window: a zero share
-            sums = [
-                torch.zeros(s, dtype=d, device=v)
-                for s, d, v in zip(lay.shapes, lay.accum_dtypes, lay.devices)
-            ]
+        total = settle(where, world, 0, [total, 0.0], reduction)
+        sums = self.sums if self.sums is not None else self.storage(zero=True)
+        assert sums is not None
         with torch.no_grad():
             _reduce.normalise(reduction, sums, total)  # type: ignore[arg-type]
         shares = _tree.unflatten(lay.spec, sums)
-        if reduce_state is None and self.init is not None:
-            reduce_state = self.init(_tree.map_(torch.zeros_like, shares))
+        state = self.state
+        if state is None and sync.init is not None:
+            state = sync.init(_tree.map_(torch.zeros_like, shares))
         with torch.no_grad():
-            out = self.fn(shares, reduce_state, group)
+            out = sync.fn(shares, state, group)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(
-                f"{where}: the reduction {self.name} must return (grads, state), got "
+                f"{where}: the reduction {sync.name} must return (grads, state), got "
                 f"{describe(out)}; return the summed gradients and the new state (None if it "
                 f"keeps none)."
             )
-        summed, new_state = out
+        summed, self.state = out
         leaves, spec = _tree.flatten(summed)
         if spec != lay.spec or any(
             not isinstance(g, torch.Tensor) or g.shape != s for g, s in zip(leaves, lay.shapes)
         ):
             raise ValueError(
-                f"{where}: the reduction {self.name} must return gradients shaped like the ones "
+                f"{where}: the reduction {sync.name} must return gradients shaped like the ones "
                 f"it was given (the params tree), got {describe(summed)}; return one tensor per "
                 f"leaf, of the same shape."
             )
-        return leaves, new_state
+        with torch.no_grad():
+            return _tree.unflatten(lay.spec, [g.to(d) for g, d in zip(leaves, lay.dtypes)])
+
+    def abort(self, weight: Any) -> None:
+        """Join the boundary flagged as failed, unless a collective of the group failed."""
+        if not is_broken(self.sync.group):
+            self.finish(weight, failed=True)
 
 
 def custom_reduce(

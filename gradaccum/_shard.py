@@ -21,16 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _comm, _tree
+from . import _tree
 from ._checkpoint import check_like, check_meta
+from ._comm import Comm
 from ._errors import GradAccumError, describe, dtype_name
-from ._record import record
-from ._shard_plan import ShardPlan, make_shard_plan, wire_plan
-from ._sync import AllReduce
+from ._layout import make_layout
+from ._shard_plan import ShardPlan, make_shard_plan
 
 __all__ = ["Sharded", "shard"]
 
-FORMAT = "gradaccum.sync.Sharded/1"
+FORMAT = "gradaccum.Sharded/1"
 DEFAULT_GROUP = "params"
 
 
@@ -132,23 +132,18 @@ class Sharded:
     def _gather(self, where: str, timeout: float | None) -> Any:
         """[`gather`][gradaccum.sync.Sharded.gather], with failures named after ``where``."""
         lay, plan = self.layout, self.plan
+        comm = Comm(where, self.group, timeout)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         works = []
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
-                record("all_gather", self.group, b.dtype, b.padded, "params")
-                try:
-                    works.append(_comm.all_gather(full, mine, self.group, timeout))
-                except RuntimeError as err:
-                    raise _broken(
-                        where, "all_gather", k, plan, self.rank, timeout, err, self.group
-                    ) from err
+                works.append(comm.all_gather(full, mine, bucket_what(plan, k, "all_gather"), "params"))
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
             for k, w in enumerate(works):
-                _wait(where, "all_gather", k, plan, self.rank, w, timeout, self.group)
+                comm.wait(w, bucket_what(plan, k, "all_gather"))
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -294,10 +289,7 @@ def shard(
         opt.zero_grad(set_to_none=True)
         ```
     """
-    from ._sums import make_layout
-
     where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
-    comm = AllReduce(group)
     if (
         isinstance(bucket_mb, bool)
         or not isinstance(bucket_mb, (int, float))
@@ -329,7 +321,8 @@ def shard(
                 f"group name (a str)."
             )
         names.append(name)
-    pg, rank, world = comm._group(where)
+    comm = Comm(where, group)
+    pg, rank, world = comm.group, comm.rank, comm.world
     if src is not None and (
         isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world
     ):
@@ -338,7 +331,8 @@ def shard(
             f"{describe(src)}; pass src=0 to start every rank from rank 0's params."
         )
     plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names))
-    comm._verify(where, wire_plan(plan), "shard", pg, rank, world)
+    dev = plan.devices[0] if plan.devices else torch.device("cpu")
+    comm.agree(comm.probe(plan.description, dev), "params to shard")
     leaves = _tree.flatten(params)[0]
     shards = tuple(
         torch.zeros(size, dtype=dt, device=dev)
@@ -350,45 +344,18 @@ def shard(
             for i, off in zip(b.members, b.offsets):
                 full[off : off + lay.shapes[i].numel()].copy_(leaves[i].reshape(-1))
             if src is not None and world > 1:
-                record("broadcast", pg, b.dtype, b.padded, "params")
-                work = _comm.broadcast(full, src, pg, None)
-                _wait(where, "broadcast", k, plan, rank, work, None, pg)
+                what = bucket_what(plan, k, "broadcast")
+                comm.wait(comm.broadcast(full, src, what, "params"), what)
             shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
     return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
 
 
-def _wait(
-    where: str,
-    kind: str,
-    k: int,
-    plan: ShardPlan,
-    rank: int,
-    work: Any,
-    timeout: float | None,
-    group: Any,
-) -> None:
-    """Wait for the ``kind`` collective of params bucket ``k``; a failure names the bucket."""
-    try:
-        _comm.wait(work, timeout)
-    except RuntimeError as err:
-        raise _broken(where, kind, k, plan, rank, timeout, err, group) from err
-
-
-def _broken(
-    where: str,
-    kind: str,
-    k: int,
-    plan: ShardPlan,
-    rank: int,
-    timeout: float | None,
-    err: Exception,
-    group: Any,
-) -> GradAccumError:
+def bucket_what(plan: ShardPlan, k: int, kind: str) -> str:
+    """How failures name the ``kind`` collective of bucket ``k``."""
     b = plan.buckets[k]
-    what = (
+    return (
         f"the {kind} of params bucket {k + 1}/{len(plan.buckets)} ({b.nbytes} bytes of "
         f"{dtype_name(b.dtype)})"
     )
-    return AllReduce(group, timeout=timeout)._broken(where, what, rank, err)

@@ -13,25 +13,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _checkpoint, _reduce, _scatter
-from ._custom import CustomReduce
-from ._scatter import ReduceScatter
-from ._sums import (
-    AccumState,
-    abort,
-    add_grads,
-    check_accum_dtype,
-    check_live,
-    check_n,
-    check_state,
-    check_sync,
-    finalize,
-    make_layout,
-    micro_weight,
-    pass_on,
-    with_accum,
-)
-from ._sync import AllReduce
+from . import _reduce, _tree
+from ._accum_state import AccumState, check_live, check_state, pass_on
+from ._layout import check_accum_dtype, check_grads, check_n, micro_weight
+from ._window import LOCAL, Sync, Window, WindowSpec, check_sync
 
 __all__ = ["Accumulator"]
 
@@ -97,7 +82,7 @@ class Accumulator:
     n: int | Callable[[int], int]
     reduction: _reduce.Reduction = "mean"
     accum_dtype: torch.dtype | None = None
-    sync: AllReduce | ReduceScatter | CustomReduce | None = None
+    sync: Sync | None = None
 
     @property
     def _where(self) -> str:
@@ -124,11 +109,24 @@ class Accumulator:
         Returns:
             An [`AccumState`][gradaccum.streaming.AccumState] with no micro-batch in it.
         """
-        if isinstance(self.sync, ReduceScatter) and params is self.sync.sharded:
-            return AccumState(None, 0, 0, 0, with_accum(self.sync.sharded.layout, self.accum_dtype))
-        return AccumState(
-            None, 0, 0, 0, make_layout("Accumulator.init(params)", params, self.accum_dtype)
-        )
+        where = "Accumulator.init(params)"
+        return AccumState(None, 0, 0, 0, self._sync.layout(where, params, self.accum_dtype))
+
+    @property
+    def _sync(self) -> Sync:
+        return self.sync if self.sync is not None else LOCAL
+
+    def _window(self, where: str, state: AccumState[T], n: int) -> Window:
+        """The window ``state`` is in: the live one, or one opened (and given the sums)."""
+        sums = state.sums
+        if isinstance(sums, Window):
+            sums.at(where)
+            return sums
+        spec = WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state)
+        window = self._sync.open(spec)
+        if sums is not None:
+            window.restore(_tree.flatten(sums)[0])
+        return window
 
     def window_size(self, state: AccumState[T]) -> int:
         """The number of micro-batches of the current window (evaluates a schedule)."""
@@ -174,14 +172,14 @@ class Accumulator:
         check_state(where, state)
         check_live(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
-        if isinstance(self.sync, ReduceScatter) and state.micro_step >= self.window_size(state):
-            raise ValueError(
-                f"{where}: the window already holds its n={self.window_size(state)} "
-                f"micro-batches; with sync=reduce_scatter(...) every rank runs exactly n "
-                f"micro-steps per window, so call finalize(state) before adding more."
-            )
-        n = self.window_size(state)
-        new = add_grads(where, state, grads, alpha, weight, self.sync, self.reduction, n)
+        window = self._window(where, state, self.window_size(state))
+        window.begin(1)
+        window.add(check_grads(where, state.layout, grads), alpha)
+        window.step()
+        sums = window.tree(like=grads)
+        new = state._replace(
+            sums=sums, weight=state.weight + weight, micro_step=state.micro_step + 1
+        )
         return pass_on(state, new, "add()")
 
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
@@ -205,9 +203,9 @@ class Accumulator:
         where = f"{self._where}.finalize(state)"
         check_state(where, state)
         check_live(where, state)
-        grads, new = finalize(
-            where, self.reduction, state, self.sync, n=self.window_size(state), agree_n=True
-        )
+        window = self._window(where, state, self.window_size(state))
+        grads = window.finish(state.weight)
+        new = AccumState(None, 0, 0, state.window + 1, state.layout, window.state)
         return grads, pass_on(state, new, "finalize()")
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:
@@ -233,7 +231,10 @@ class Accumulator:
         """
         where = f"{self._where}.abort(state)"
         check_state(where, state)
-        abort(where, self.reduction, state, self.sync, n=self.window_size(state), agree_n=True)
+        try:
+            self._window(where, state, self.window_size(state)).abort(state.weight)
+        except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
+            pass
         new = AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
         return pass_on(state, new, "abort()")
 
@@ -247,9 +248,7 @@ class Accumulator:
         """
         check_state("Accumulator.state_dict(state)", state)
         check_live("Accumulator.state_dict(state)", state)
-        if isinstance(self.sync, ReduceScatter):
-            return _scatter.save(self.sync, self.reduction, state)
-        return _checkpoint.save(self.reduction, state)
+        return self._sync.state_dict(self.reduction, state)
 
     def load_state_dict(self, state: AccumState[T], state_dict: dict[str, Any]) -> AccumState[T]:
         """Restore a state saved by ``state_dict``; resuming is bit-identical.
@@ -273,10 +272,7 @@ class Accumulator:
         saved = state_dict.get("window") if isinstance(state_dict, dict) else None
         at = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
         n = self.window_size(state._replace(window=at))
-        restored: AccumState[T]
-        if isinstance(self.sync, ReduceScatter):
-            restored = _scatter.load(self.sync, self.reduction, state, state_dict, n)
-        else:
-            sync = self.sync if isinstance(self.sync, AllReduce) else None
-            restored = _checkpoint.load(self.reduction, state, state_dict, sync, n)
+        where = "Accumulator.load_state_dict(state, state_dict)"
+        spec = WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state)
+        restored = self._sync.load_state_dict(spec, state, state_dict)
         return pass_on(restored._replace(sums=None), restored, "load_state_dict()")

@@ -1,5 +1,5 @@
 """Streaming accumulation: the state that [`Accumulator`][gradaccum.Accumulator] threads."""
 
-from ._sums import AccumState as AccumState
+from ._accum_state import AccumState as AccumState
 
 __all__ = ["AccumState"]

@@ -326,3 +326,17 @@ def test_repr_and_wraps() -> None:
     assert repr(fn) == "gradaccum.grad_and_value(mean_loss, argnums=0, has_aux=False)"
     assert fn.__name__ == "mean_loss"
     assert fn.__wrapped__ is mean_loss
+
+
+def test_has_aux_is_inferred_from_a_gradaccum_step_function() -> None:
+    params = {"w": torch.randn(3, dtype=torch.float64)}
+    x = torch.randn(8, 3, dtype=torch.float64)
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        return (b @ p["w"]).pow(2).mean()
+
+    grads, loss = gradaccum.accumulate(gradaccum.grad_and_value(loss_fn), 4)(params, x)
+    assert torch.allclose(loss, loss_fn(params, x))
+    assert torch.allclose(grads["w"], torch.func.grad(loss_fn)(params, x)["w"])
+    only = gradaccum.accumulate(gradaccum.grad(loss_fn), 4)(params, x)
+    assert torch.allclose(only["w"], grads["w"])

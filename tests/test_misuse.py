@@ -1881,7 +1881,7 @@ def _rs_saved(change: Callable[[dict[str, Any]], None]) -> NS:
 
 
 for _id, _change, _name in [
-    ("format", lambda sd: sd.update(format="gradaccum.streaming.AccumState/1"), "format"),
+    ("format", lambda sd: sd.update(format="gradaccum.AccumState/1"), "format"),
     ("reduction", lambda sd: sd.update(reduction="sum"), "reduction"),
     ("rank", lambda sd: sd.update(rank=1), "rank"),
     ("micro_step-negative", lambda sd: sd.update(micro_step=-1), "micro_step"),

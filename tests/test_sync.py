@@ -256,14 +256,16 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
             lambda: gradaccum.accumulate(grad(mean_loss), 2, sync="all_reduce"),
             TypeError,
             "accumulate(mean_loss, n=2): sync must be None, gradaccum.all_reduce(...), "
-            "gradaccum.reduce_scatter(sharded) or a custom reduction, got str 'all_reduce'; pass "
+            "gradaccum.reduce_scatter(sharded), a custom reduction or another gradaccum.sync.Sync, "
+            "got str 'all_reduce'; pass "
             "sync=gradaccum.all_reduce() to synchronise over the default process group.",
         ),
         (
             lambda: gradaccum.Accumulator(n=2, sync=True),
             TypeError,
             "Accumulator(n=2): sync must be None, gradaccum.all_reduce(...), "
-            "gradaccum.reduce_scatter(sharded) or a custom reduction, got bool True; pass "
+            "gradaccum.reduce_scatter(sharded), a custom reduction or another gradaccum.sync.Sync, "
+            "got bool True; pass "
             "sync=gradaccum.all_reduce() to synchronise over the default process group.",
         ),
         (

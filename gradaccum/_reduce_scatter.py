@@ -9,8 +9,7 @@ Two policies, per parameter group:
   bucket.
 
 Both end with one ``all_reduce`` of ``[weight, failed]`` (two float64 numbers). The sequence of
-collectives of a window is the same on every rank whatever happens on it: [fingerprint, first
-window only], then ``n`` micro-steps of [params all-gathers, with ``gather="micro_batch"``;
+collectives of a window is the same on every rank whatever happens on it: [fingerprint], then ``n`` micro-steps of [params all-gathers, with ``gather="micro_batch"``;
 ``every`` buckets in plan order], then the ``boundary`` buckets in plan order, then the weight. A
 rank with fewer micro-batches, or one that failed, completes the sequence with zeros.
 """
@@ -18,27 +17,32 @@ rank with fewer micro-batches, or one that failed, completes the sequence with z
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from ._accum_state import AccumState
 from ._buckets import Bucket
+from ._checkpoint import check_meta, check_progress
+from ._comm import Check, check_options
 from ._errors import GradAccumError, describe
+from ._layout import Layout, make_layout, with_accum
+from ._scatter_window import ScatterWindow
 from ._shard import Sharded
-from ._shard_plan import ShardPlan, wire_plan
-from ._shard_window import Window
-from ._sync import AllReduce, Check, check_options
+from ._shard_plan import ShardPlan
+from ._window import Sync, Window, WindowSpec
 
 __all__ = ["ReduceScatter", "reduce_scatter"]
 
 Policy = Literal["boundary", "every"]
 POLICIES = ("boundary", "every")
 GATHERS = ("window", "micro_batch")
+SAVE_FORMAT = "gradaccum.ShardedAccumState/1"
 
 
 @dataclass(frozen=True, eq=False)
-class ReduceScatter:
+class ReduceScatter(Sync):
     """Sharded synchronisation: the window's gradient, reduce-scattered into shards.
 
     Make one with [`reduce_scatter()`][gradaccum.reduce_scatter] and pass it as ``sync=`` to
@@ -62,12 +66,6 @@ class ReduceScatter:
     check: Check = "fingerprint"
     timeout: float | None = None
     overlap: bool = True
-    _comm: AllReduce = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "_comm", AllReduce(self.sharded.group, check=self.check, timeout=self.timeout)
-        )
 
     def policies(self) -> tuple[str, ...]:
         """The policy of each shard tensor (``"boundary"`` or ``"every"``), in shard order."""
@@ -85,8 +83,6 @@ class ReduceScatter:
         Args:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
         """
-        from ._sums import with_accum
-
         lay = with_accum(self.sharded.layout, accum_dtype)
         out = []
         for b in _order(self.sharded.plan, self.policies()):
@@ -97,71 +93,121 @@ class ReduceScatter:
 
     # -- used by accumulate and Accumulator ---------------------------------------------------
 
-    def _open(
-        self,
-        where: str,
-        lay: Any,
-        reduction: str,
-        n: int = 0,
-        agree_n: bool = False,
-        verify: bool = True,
-    ) -> Window:
-        """A window for gradients of layout ``lay`` (checked against the sharded params).
+    # -- the Sync protocol ----------------------------------------------------------------------
 
-        Unless ``check="never"``, the ranks first exchange a fingerprint of everything that decides
-        the window's collectives (layout, buckets, policies, gather, accumulation dtypes,
-        reduction, and ``n`` where it sets the number of micro-step collectives), so that a rank
-        that differs raises before any of them instead of sending collectives of other sizes.
+    def layout(
+        self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0
+    ) -> Layout:
+        """The sharded layout when given the ``Sharded`` itself, else the params' own."""
+        if not isinstance(argnums, int):
+            raise ValueError(
+                f"{where}: with sync=reduce_scatter(...), the gradients must be taken with "
+                f"respect to one argument (argnums an int), got argnums={argnums!r}; pass "
+                f"argnums=0 (the position of the Sharded or of its gathered params)."
+            )
+        if params is self.sharded:
+            return with_accum(self.sharded.layout, accum_dtype)
+        if isinstance(params, Sharded):
+            raise ValueError(
+                f"{where}: the params argument is a Sharded object other than the one the sync "
+                f"reduce-scatters into; pass the Sharded given to gradaccum.reduce_scatter."
+            )
+        return make_layout(where, params, accum_dtype)
+
+    def open(self, spec: WindowSpec) -> Window:
+        """A window checked against the sharded layout, after the fingerprint agreement.
+
+        Unless ``check="never"``, the ranks first exchange a fingerprint of everything that
+        decides the window's collectives (layout, buckets, policies, gather, accumulation
+        dtypes, reduction, and ``n`` where it sets the number of micro-step collectives), so
+        that a rank that differs raises before any of them.
         """
-        mine = self.sharded.layout
-        if (lay.spec, lay.paths, lay.shapes, lay.dtypes, lay.devices) != (
-            mine.spec,
-            mine.paths,
-            mine.shapes,
-            mine.dtypes,
-            mine.devices,
+        return ScatterWindow(self, spec)
+
+    def state_dict(self, reduction: str, state: AccumState[Any]) -> dict[str, Any]:
+        """An accumulator state as a dict (copies), mid-window included."""
+        window = state.sums
+        lay = state.layout
+        return {
+            "format": SAVE_FORMAT,
+            **self.sharded._meta(),
+            "reduction": reduction,
+            "policies": list(self.policies()),
+            "accum_dtypes": [str(d) for d in lay.accum_dtypes],
+            "weight": state.weight,
+            "micro_step": state.micro_step,
+            "window": state.window,
+            "steps": window.steps if window is not None else 0,
+            "full": None
+            if window is None
+            else [None if f is None else f.clone() for f in window.full],
+            "out": None if window is None else [o.clone() for o in window.out],
+        }
+
+    def load_state_dict(
+        self, spec: WindowSpec, state: AccumState[Any], sd: dict[str, Any]
+    ) -> AccumState[Any]:
+        """Validate a saved sharded accumulator state against this rank's, then rebuild it."""
+        where, reduction, n, lay = spec.where, spec.reduction, spec.n, state.layout
+        check_meta(where, sd, SAVE_FORMAT, self.sharded._meta())
+        mine = {
+            "reduction": reduction,
+            "policies": list(self.policies()),
+            "accum_dtypes": [str(d) for d in lay.accum_dtypes],
+        }
+        for key, value in mine.items():
+            if sd.get(key) != value:
+                raise GradAccumError(
+                    f"{where}: the state was saved with {key}={sd.get(key)!r} but this accumulator "
+                    f"has {key}={value!r}; load it with the same reduction, policy and accum_dtype."
+                )
+        for key in ("micro_step", "window", "steps"):
+            if isinstance(sd.get(key), bool) or not isinstance(sd.get(key), int) or sd[key] < 0:
+                raise GradAccumError(
+                    f"{where}: {key} must be a non-negative int, got {describe(sd.get(key))}; pass "
+                    f"the dict that Accumulator.state_dict() returned on this rank."
+                )
+        weight = sd.get("weight")
+        if isinstance(weight, bool) or not (
+            isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
         ):
-            raise ValueError(
-                f"{where}: the gradients are for params that differ from the sharded ones "
-                f"({_first_diff(lay, mine)}); pass the Sharded object (or what its gather() "
-                f"returned) as the params of the step function."
+            raise GradAccumError(
+                f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}; pass "
+                f"the dict that Accumulator.state_dict() returned on this rank."
             )
-        if len(set(lay.accum_dtypes)) > 1 and not _uniform(self.sharded.plan, lay):
-            raise ValueError(
-                f"{where}: mixed accumulation dtypes within a shard are not supported."
+        check_progress(where, reduction, sd, n, sd.get("full") is not None)
+        if sd["steps"] > n:
+            raise GradAccumError(
+                f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps; pass "
+                f"the dict that Accumulator.state_dict() returned on this rank."
             )
-        pg, rank, world = self._comm._group(where, "sync=reduce_scatter(...)")
-        if verify and self.check != "never":
-            per_step = agree_n or "every" in self.policies() or self.gather == "micro_batch"
-            extra = (
-                *(f"shard {k} policy {p!r}" for k, p in enumerate(self.policies())),
-                f"gather={self.gather!r}",
-                *(f"accumulated in {d}" for d in lay.accum_dtypes),
-                *((f"n={n} micro-steps per window",) if per_step else ()),
-            )
-            desc = wire_plan(self.sharded.plan, extra)
-            self._comm._verify(where, desc, reduction, pg, rank, world)
-        return Window(self, where, lay, pg, rank, world)
-
-
-def _uniform(plan: ShardPlan, lay: Any) -> bool:
-    return all(len({lay.accum_dtypes[i] for i in b.members}) <= 1 for b in plan.buckets)
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
+        if sd.get("full") is None:
+            return type(state)(None, weight, sd["micro_step"], sd["window"], lay)
+        window = ScatterWindow(self, spec, verify=False)
+        saved = list(sd["full"]) + list(sd["out"])
+        for k, (t, f) in enumerate(zip(saved, window.full + window.out)):  # type: ignore[operator]
+            if (t is None) != (f is None) or (
+                f is not None
+                and (not isinstance(t, torch.Tensor) or t.shape != f.shape or t.dtype != f.dtype)
+            ):
+                raise GradAccumError(
+                    f"{where}: saved buffer {k} is {describe(t)}, expected "
+                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}; pass the dict "
+                    f"that Accumulator.state_dict() returned on this rank."
+                )
+        with torch.no_grad():
+            for t, f in zip(saved, window.full + window.out):  # type: ignore[operator]
+                if f is not None:
+                    f.copy_(t)
+        window.steps = sd["steps"]
+        return type(state)(window, weight, sd["micro_step"], sd["window"], lay)
 
 
 def _order(plan: ShardPlan, pol: tuple[str, ...]) -> list[Any]:
     every = [b for b in plan.buckets if pol[b.shard] == "every"]
     return every + [b for b in plan.buckets if pol[b.shard] != "every"]
-
-
-def _first_diff(lay: Any, mine: Any) -> str:
-    if lay.paths != mine.paths:
-        return f"key paths {list(lay.paths)} against {list(mine.paths)}"
-    for p, a, b, da, db, va, vb in zip(
-        lay.paths, lay.shapes, mine.shapes, lay.dtypes, mine.dtypes, lay.devices, mine.devices
-    ):
-        if (a, da, va) != (b, db, vb):
-            return f"leaf {p} is {list(a)} {da} on {va}, sharded as {list(b)} {db} on {vb}"
-    return "the tree structure differs"
 
 
 def reduce_scatter(
@@ -287,90 +333,3 @@ def reduce_scatter(
     return ReduceScatter(
         sharded, policy, gather, check, None if timeout is None else float(timeout), overlap
     )
-
-
-# -- the window of accumulate -------------------------------------------------------------------
-
-
-SAVE_FORMAT = "gradaccum.ShardedAccumState/1"
-
-
-def save(sync: ReduceScatter, reduction: str, state: Any) -> dict[str, Any]:
-    """An accumulator state under a reduce-scatter sync, as a dict (copies), mid-window included."""
-    window = state.sums
-    lay = state.layout
-    return {
-        "format": SAVE_FORMAT,
-        **sync.sharded._meta(),
-        "reduction": reduction,
-        "policies": list(sync.policies()),
-        "accum_dtypes": [str(d) for d in lay.accum_dtypes],
-        "weight": state.weight,
-        "micro_step": state.micro_step,
-        "window": state.window,
-        "steps": window.steps if window is not None else 0,
-        "full": None if window is None else [None if f is None else f.clone() for f in window.full],
-        "out": None if window is None else [o.clone() for o in window.out],
-    }
-
-
-def load(sync: ReduceScatter, reduction: str, state: Any, sd: Any, n: int) -> Any:
-    """Validate a saved sharded accumulator state against this rank's, then rebuild it."""
-    from ._checkpoint import check_meta, check_progress
-
-    where = "Accumulator.load_state_dict(state, state_dict)"
-    lay = state.layout
-    check_meta(where, sd, SAVE_FORMAT, sync.sharded._meta())
-    mine = {
-        "reduction": reduction,
-        "policies": list(sync.policies()),
-        "accum_dtypes": [str(d) for d in lay.accum_dtypes],
-    }
-    for key, value in mine.items():
-        if sd.get(key) != value:
-            raise GradAccumError(
-                f"{where}: the state was saved with {key}={sd.get(key)!r} but this accumulator "
-                f"has {key}={value!r}; load it with the same reduction, policy and accum_dtype."
-            )
-    for key in ("micro_step", "window", "steps"):
-        if isinstance(sd.get(key), bool) or not isinstance(sd.get(key), int) or sd[key] < 0:
-            raise GradAccumError(
-                f"{where}: {key} must be a non-negative int, got {describe(sd.get(key))}; pass "
-                f"the dict that Accumulator.state_dict() returned on this rank."
-            )
-    weight = sd.get("weight")
-    if isinstance(weight, bool) or not (
-        isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
-    ):
-        raise GradAccumError(
-            f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}; pass "
-            f"the dict that Accumulator.state_dict() returned on this rank."
-        )
-    check_progress(where, reduction, sd, n, sd.get("full") is not None)
-    if sd["steps"] > n:
-        raise GradAccumError(
-            f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps; pass "
-            f"the dict that Accumulator.state_dict() returned on this rank."
-        )
-    if isinstance(weight, torch.Tensor):
-        weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
-    if sd.get("full") is None:
-        return type(state)(None, weight, sd["micro_step"], sd["window"], lay)
-    window = sync._open(where, lay, reduction, n, verify=False)
-    saved = list(sd["full"]) + list(sd["out"])
-    for k, (t, f) in enumerate(zip(saved, window.full + window.out)):  # type: ignore[operator]
-        if (t is None) != (f is None) or (
-            f is not None
-            and (not isinstance(t, torch.Tensor) or t.shape != f.shape or t.dtype != f.dtype)
-        ):
-            raise GradAccumError(
-                f"{where}: saved buffer {k} is {describe(t)}, expected "
-                f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}; pass the dict "
-                f"that Accumulator.state_dict() returned on this rank."
-            )
-    with torch.no_grad():
-        for t, f in zip(saved, window.full + window.out):  # type: ignore[operator]
-            if f is not None:
-                f.copy_(t)
-    window.steps = sd["steps"]
-    return type(state)(window, weight, sd["micro_step"], sd["window"], lay)

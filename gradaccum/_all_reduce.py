@@ -1,0 +1,292 @@
+"""Data-parallel sync: the window's sums live in flat buckets, all-reduced at the boundary.
+
+Nothing is communicated inside a window. The running sums are views into flat contiguous
+buckets (one per ``bucket_mb``, per device and accumulation dtype), so the boundary all-reduces
+them in place, one asynchronous collective per bucket, started as soon as a bucket's sums are
+final (during the last backward, with overlap). The last bucket of the widest dtype carries two
+more elements, the window's weight and a "this rank failed" flag, so normalisation by the global
+weight needs no extra round trip. Before its first bucket, each window's fingerprint is agreed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
+from ._comm import Check, Comm, Probe, check_options, fill_tail, positive
+from ._errors import describe, dtype_name, is_broken
+from ._layout import make_layout
+from ._window import Sync, Window, WindowSpec
+
+__all__ = ["AllReduce", "Bucket", "all_reduce"]
+
+
+@dataclass(frozen=True, eq=False)
+class AllReduce(Sync):
+    """Data-parallel synchronisation at the accumulation boundary.
+
+    Make one with [`all_reduce()`][gradaccum.all_reduce] and pass it as ``sync=`` to
+    [`accumulate()`][gradaccum.accumulate] or [`Accumulator`][gradaccum.Accumulator]. See
+    [`all_reduce()`][gradaccum.all_reduce] for the options and the contract. It caches the
+    bucket plan of each gradient layout, so build it once and reuse it for every window.
+
+    Examples:
+        >>> import gradaccum
+        >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)
+        AllReduce(group=None, bucket_mb=50.0, check='fingerprint', timeout=120.0, overlap=True)
+    """
+
+    group: Any = None
+    bucket_mb: float = 25.0
+    check: Check = "fingerprint"
+    timeout: float | None = None
+    overlap: bool = True
+    _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
+        """The buckets the boundary would all-reduce for gradients shaped like ``params``.
+
+        A dry run: nothing is communicated and torch.distributed need not be initialised.
+
+        Args:
+            params: The params pytree (the gradients' shape).
+            accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
+
+        Returns:
+            The [`Bucket`][gradaccum.sync.Bucket]s, in the order they are reduced.
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> sync = gradaccum.all_reduce(bucket_mb=1)
+            >>> params = {"w": torch.zeros(300_000), "b": torch.zeros(10)}
+            >>> [(b.paths, b.numel) for b in sync.plan(params)]
+            [(("['w']",), 300000), (("['b']",), 12)]
+        """
+        return self._plan(make_layout("AllReduce.plan(params)", params, accum_dtype)).buckets
+
+    def _plan(self, lay: Any) -> Plan:
+        """The plan for a gradient layout (cached)."""
+        plan = self._plans.get(lay)
+        if plan is None:
+            plan = self._plans[lay] = make_plan(lay, int(self.bucket_mb * 2**20))
+        return plan
+
+    def open(self, spec: WindowSpec) -> Window:
+        """A window whose running sums are views into this sync's flat buckets."""
+        return BucketWindow(self, spec)
+
+
+class BucketWindow(Window):
+    """One window of an all-reduce sync: sums in flat buckets, reduced in plan order.
+
+    The launch order is the same on every rank whatever the timing: the fingerprint, the
+    non-tail buckets in plan order (each as soon as it is ready, with overlap), then the tail
+    bucket, which carries the weight and failure flag and so goes last, at ``finish``.
+    """
+
+    def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
+        super().__init__(spec)
+        self.sync, self.plan = sync, sync._plan(spec.layout)
+        self.overlap = sync.overlap
+        self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
+        self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k]
+        self.order.append(self.tail_k)
+        self.probe: Probe | None = None
+        self.opened = False
+        self.bufs: list[torch.Tensor | None] = []
+        self.works: list[Any] = []  # in launch order
+
+    def storage(self, zero: bool) -> list[torch.Tensor]:
+        """Views into fresh flat buckets (zeroed, or uninitialised)."""
+        lay, plan = self.layout, self.plan
+        views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
+        for b, members, offsets, numel in zip(
+            plan.buckets, plan.members, plan.offsets, plan.grad_numel
+        ):
+            size = numel + (TAIL if b.tail else 0)
+            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
+            for i, off in zip(members, offsets):
+                views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+        return views
+
+    # -- the boundary, opened before the last backward ------------------------------------------
+
+    def last(self) -> None:
+        """Open the boundary: start the fingerprint; find the buckets the sums are views of."""
+        if self.opened:
+            return
+        self.opened = True
+        self.comm = Comm(self.where, self.sync.group, self.sync.timeout, self.sync.check)
+        if self.sums is None:  # an empty window still joins, with zero weight
+            self.sums = self.storage(zero=True)
+        plan, sums = self.plan, self.sums
+        extra = (f"n={self.spec.n} micro-batches per window",) if self.spec.agree_n else ()
+        desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
+        self.probe = self.comm.probe(desc, plan.buckets[0].device)
+        self.bufs = [
+            bucket_of([sums[i] for i in members], offsets, numel, b)
+            for b, members, offsets, numel in zip(
+                plan.buckets, plan.members, plan.offsets, plan.grad_numel
+            )
+        ]
+        self.remaining = [len(m) for m in plan.members]
+        self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
+
+    def ready(self, i: int) -> None:
+        """Leaf ``i``'s sum is final: launch every bucket that is now ready, in order."""
+        k = self.bucket_of_leaf[i]
+        self.remaining[k] -= 1
+        if self.remaining[k] == 0:
+            while len(self.works) < len(self.order) - 1:
+                nxt = self.order[len(self.works)]
+                if self.remaining[nxt] > 0 or self.bufs[nxt] is None:
+                    break
+                self._launch(nxt)
+
+    def _what(self, k: int) -> str:
+        b = self.plan.buckets[k]
+        return (
+            f"the boundary all_reduce of bucket {k + 1}/{len(self.plan.buckets)} ({b.nbytes} "
+            f"bytes of {dtype_name(b.dtype)})"
+        )
+
+    def _launch(self, k: int) -> None:
+        if self.probe is not None:  # the ranks' buckets must agree before the first one
+            probe, self.probe = self.probe, None
+            self.comm.agree(probe)
+        buf = self.bufs[k]
+        assert buf is not None
+        self.works.append(self.comm.all_reduce(buf, self._what(k), "gradients"))
+
+    def finish(self, weight: Any, failed: bool = False) -> Any:
+        """Launch what is left (the weight and failure flag in the tail), wait, normalise."""
+        self.last()
+        self.comm.where = self.where
+        plan, sums, packed = self.plan, self.sums, []
+        assert sums is not None
+        with torch.no_grad():
+            for k, (b, members, offsets, numel) in enumerate(
+                zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
+            ):
+                if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
+                    buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+                    for i, off in zip(members, offsets):
+                        buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
+                    self.bufs[k] = buf
+                    packed.append(k)
+            tail_buf = self.bufs[self.tail_k]
+            assert tail_buf is not None
+            tail = tail_buf[plan.grad_numel[self.tail_k] :]
+            fill_tail(tail, weight, failed)
+            while len(self.works) < len(self.order):
+                self._launch(self.order[len(self.works)])
+            for j, work in enumerate(self.works):
+                self.comm.wait(work, self._what(self.order[j]))
+            for k in packed:
+                packed_buf = self.bufs[k]
+                assert packed_buf is not None
+                for i, off in zip(plan.members[k], plan.offsets[k]):
+                    sums[i].copy_(packed_buf[off : off + sums[i].numel()].view_as(sums[i]))
+            total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
+        return self.normalised(total)
+
+    def abort(self, weight: Any) -> None:
+        """Join the boundary flagged as failed, unless a collective of the group failed."""
+        if not is_broken(self.sync.group):
+            self.finish(weight, failed=True)
+
+
+def all_reduce(
+    group: Any = None,
+    *,
+    bucket_mb: float = 25.0,
+    check: Check = "fingerprint",
+    timeout: float | None = None,
+    overlap: bool = True,
+) -> AllReduce:
+    """Average (or sum) accumulated gradients over a process group, once per window.
+
+    Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
+    [`Accumulator`][gradaccum.Accumulator]. Inside a window nothing is communicated; at the
+    boundary the window's running sums, which already live in flat contiguous buckets, are
+    summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
+    place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
+    bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
+    tokens per rank, and a rank with an empty window contributes zero weight.
+
+    Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
+    ``layers.9``), the order backward usually produces them; it depends only on the paths, so it
+    is the same on every rank whatever the dict insertion order.
+
+    Args:
+        group: The process group; ``None`` for the default (world) group.
+        bucket_mb: Bucket size in MiB. As in DDP, a bucket takes leaves until it holds at
+            least ``bucket_mb`` (leaves are never split, so a bucket may exceed it by its last
+            leaf), and the first bucket of each dtype closes at 1 MiB, so that with overlap the
+            first all-reduce starts early. Fewer, larger buckets mean fewer collectives; more
+            buckets, more overlap.
+        check: ``"fingerprint"`` (default): in every window, before its first bucket, the
+            ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
+            buckets (one 16-byte all-reduce, started when the boundary opens, so that it
+            overlaps the last backward); a mismatch raises
+            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
+            before any gradient is sent. Every window, because a rank whose tree changes (a
+            parameter unfrozen on one rank only) cannot know that the others did not.
+            ``"full"``: the ranks also compare their whole descriptions in every window (a debug
+            mode that does not rely on the hash). ``"never"``: skip it; a rank with another tree
+            then sends buckets of other sizes (gloo aborts the process) or adds unrelated
+            numbers.
+        timeout: Seconds after which each of the sync's collectives fails (the timeout is set
+            on the collective itself, so every backend and kind enforces it), raising
+            [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
+            timeout.
+        overlap: With a step function made by [`grad()`][gradaccum.grad] or
+            [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
+            during the last micro-batch's backward, as soon as autograd has produced all of
+            that bucket's gradients (as DDP does, but without module hooks), and wait for them
+            only at the end. The bucket carrying the weight goes last. ``False`` starts them
+            all after the backward. Other step functions (``torch.func.grad``) return all
+            gradients at once, so there is nothing to overlap with.
+
+    Returns:
+        An [`AllReduce`][gradaccum.sync.AllReduce]; its [`plan()`][gradaccum.sync.AllReduce.plan] reports
+        the buckets without communicating.
+
+    Raises:
+        ValueError: ``bucket_mb`` is not positive, ``check`` is not one of its names, or
+            ``timeout`` is not positive.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> sync = gradaccum.all_reduce(bucket_mb=25)
+        >>> [b.numel for b in sync.plan({"w": torch.zeros(4, 3), "b": torch.zeros(4)})]
+        [18]
+
+    See Also:
+        [`record_collectives()`][gradaccum.sync.record_collectives] to count what is communicated.
+    """
+    where = "all_reduce(group, bucket_mb=..., check=..., timeout=...)"
+    if not positive(bucket_mb):
+        raise ValueError(
+            f"{where}: bucket_mb must be a positive, finite number of MiB, got "
+            f"{describe(bucket_mb)}; "
+            f"pass e.g. bucket_mb=25 (DDP's default)."
+        )
+    check_options(where, check, timeout, overlap)
+    if group is not None and not (
+        dist.is_available()
+        and (isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER)
+    ):
+        raise TypeError(
+            f"{where}: group must be None (the default group) or a torch.distributed "
+            f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
+        )
+    return AllReduce(
+        group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
+    )
+
+

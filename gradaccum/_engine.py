@@ -1,0 +1,239 @@
+"""The window loop of ``accumulate``: micro-batches through the step function into a window.
+
+One loop, two ways in. A [`grad()`][gradaccum.grad] step function takes the fast path: each
+backward accumulates into the window's storage as autograd produces the gradients (``.grad`` is
+the running sum, or a view of it in the sync's buckets), hooks hand over what cannot accumulate
+in place, and during the last backward each leaf is marked ready (overlap). Any other step
+function returns a gradient tree, which is checked and added. The sync's behaviour is all in its
+[`Window`][gradaccum.sync.Window]; nothing here knows which sync it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _reduce
+from ._accum_state import AccumState
+from ._autograd import GradFn
+from ._errors import describe
+from ._layout import check_grads, weigh
+from ._window import Sync, Window, WindowSpec
+
+__all__ = ["Progress", "abort", "run"]
+
+
+class Progress:
+    """What a call has reached, so that the error path can join the boundary consistently."""
+
+    state: AccumState[Any] | None = None
+    window: Window | None = None
+    opening = False  # the sync's open() was called (if it raised, it is not called again)
+
+
+def run(
+    call: str,
+    step_fn: Callable[..., Any],
+    fast: GradFn | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    micro: list[tuple[Any, int]],
+    win: Progress,
+    aux_acc: _reduce.AuxAccumulator | None,
+    *,
+    batch_argnum: int,
+    argnum: int | None,
+    reduction: _reduce.Reduction,
+    count: Callable[[Any], Any] | None,
+    has_aux: bool,
+    micro_transform: Callable[[Any], Any] | None,
+) -> None:
+    """Run the window's micro-batches; the state and window in ``win`` record the progress."""
+    assert win.window is not None
+    win.window.begin(len(micro))
+    if not micro:  # an empty batch runs nothing; the boundary still joins
+        return
+    if fast is not None:
+        _fast(call, fast, args, kwargs, micro, win, aux_acc, batch_argnum, argnum, reduction, count)
+        return
+    window = win.window
+    given = args[argnum] if argnum is not None else None
+    for j, (mb, rows) in enumerate(micro):
+        cur = _with_params(args, argnum, window.params(j, given), given)
+        out = step_fn(*cur[:batch_argnum], mb, *cur[batch_argnum + 1 :], **kwargs)
+        grads, aux = _unpack(call, out) if has_aux else (out, None)
+        if micro_transform is not None:
+            grads = micro_transform(grads)
+        raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
+        what = call if micro_transform is None else f"{call} after micro_transform"
+        window.add(check_grads(what, window.layout, grads), alpha)
+        window.step()
+        _count(win, weight)
+        if aux_acc is not None:
+            aux_acc.add(aux, rows, items, raw)
+        # Drop this micro-batch's outputs (and any graph they hold) before the next.
+        del out, mb, grads, aux, raw, cur
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # hooks, .grad writes: eager
+def _fast(
+    call: str,
+    fn: GradFn,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    micro: list[tuple[Any, int]],
+    win: Progress,
+    aux_acc: _reduce.AuxAccumulator | None,
+    batch_argnum: int,
+    argnum: int | None,
+    reduction: _reduce.Reduction,
+    count: Callable[[Any], Any] | None,
+) -> None:
+    """The window of a torch.autograd step function: backward straight into the window.
+
+    The differentiated arguments become autograd leaves sharing the params' storage. A leaf
+    whose accumulation dtype is its own dtype, and whose sum the window keeps, accumulates
+    natively: its first gradient is adopted by the window (kept, or copied into a bucket) and
+    becomes ``.grad``, into which the later backwards add in place, each seeded with the
+    micro-batch's weight, as a hand-written ``loss.backward()`` loop does. Any other leaf (a
+    wider accumulator, a gradient the window streams) goes through a hook that hands the
+    scaled gradient to the window and drops it.
+    """
+    window = win.window
+    assert window is not None
+    lay = window.layout
+    given = args[argnum] if argnum is not None else None
+    direct = lay.accum_dtypes == lay.dtypes
+    native = [direct and not window.streams(i) for i in range(len(lay.shapes))]
+    window.prepare(zero=not all(native))
+    alpha_now: list[float] = [1]
+    hooks: list[Any] = []
+    first: list[Any] = []  # the hooks that hand the first gradients to the window
+    adopted: set[int] = set()
+    seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+    leaves: list[torch.Tensor] = []
+    new_args: list[Any] = []
+
+    def on_grad(i: int, leaf: torch.Tensor) -> None:
+        window.grad(i, leaf.grad, alpha_now[0])  # type: ignore[arg-type]
+        leaf.grad = None
+
+    def on_first(i: int, leaf: torch.Tensor) -> None:
+        leaf.grad = window.adopt(i, leaf.grad)
+        adopted.add(i)
+
+    def on_ready(i: int, _leaf: torch.Tensor) -> None:
+        window.ready(i)
+
+    def hook(fn: Callable[..., None], i: int, leaf: torch.Tensor) -> Any:
+        return leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            functools.partial(fn, i)
+        )
+
+    # One process, mean: seed each backward with rows / total rows (as a hand-written loop
+    # scales its loss), so the sums are the mean already and the boundary divides by 1.
+    prescale = sum(r for _, r in micro) if window.prescale and reduction == "mean" else 0
+    last, params = len(micro) - 1, None
+    try:
+        for j, (mb, rows) in enumerate(micro):
+            p = window.params(j, given)
+            if j == 0 or p is not params:  # (re-)alias the params as autograd leaves
+                for h in hooks:
+                    h.remove()
+                hooks.clear()
+                for leaf in leaves:
+                    leaf.grad = None
+                params = p
+                new_args, leaves, _ = fn.alias(call, _with_params(args, argnum, p, given))
+                hooks.extend(hook(on_grad, i, x) for i, x in enumerate(leaves) if not native[i])
+                if j == 0:
+                    first.extend(hook(on_first, i, x) for i, x in enumerate(leaves) if native[i])
+                else:  # the running sums carry over to the new leaves
+                    assert window.sums is not None
+                    for i, leaf in enumerate(leaves):
+                        if native[i]:
+                            leaf.grad = window.sums[i]
+            new_args[batch_argnum] = mb
+            value, aux = fn.forward(call, new_args, kwargs)
+            raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
+            scale: float = alpha / prescale if prescale else alpha
+            if j == last:
+                window.last()  # a sync may open its boundary before the last backward
+                if window.overlap:
+                    hooks.extend(hook(on_ready, i, leaf) for i, leaf in enumerate(leaves))
+            if leaves and value.requires_grad:
+                seed = None
+                if direct:
+                    key = (scale, value.dtype, value.device)
+                    seed = seeds.get(key)
+                    if seed is None:
+                        seed = seeds[key] = torch.full((), scale, dtype=value.dtype, device=value.device)
+                else:
+                    alpha_now[0] = scale
+                torch.autograd.backward(value, seed, inputs=leaves)
+            if j == 0:
+                for h in first:
+                    h.remove()
+                first.clear()
+                for i, leaf in enumerate(leaves):
+                    if native[i] and i not in adopted:  # no gradient in this micro-batch
+                        leaf.grad = window.adopt(i, None)
+            window.step()
+            _count(win, weight)
+            if aux_acc is not None:
+                aux_acc.add(aux, rows, items, raw)
+            del value, aux, raw, mb
+        if prescale:  # the sums are the mean already
+            assert win.state is not None
+            win.state = win.state._replace(weight=1)
+    finally:
+        for h in hooks + first:
+            h.remove()
+        for leaf in leaves:
+            leaf.grad = None
+
+
+def abort(win: Progress, sync: Sync, spec: WindowSpec | None) -> None:
+    """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
+
+    Without an open window, one is opened for ``spec`` (the window's layout, or the last one
+    seen when the failure came before it was known; ``None``: nothing to join). Errors while
+    joining are dropped: the caller re-raises its own.
+    """
+    try:
+        window = win.window
+        if window is None and spec is not None and not win.opening:
+            window = sync.open(spec)
+        if window is not None:
+            window.abort(win.state.weight if win.state is not None else 0)
+    except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
+        pass
+
+
+def _count(win: Progress, weight: _reduce.Weight) -> None:
+    state = win.state
+    assert state is not None
+    win.state = state._replace(weight=state.weight + weight, micro_step=state.micro_step + 1)
+
+
+def _with_params(args: tuple[Any, ...], argnum: int | None, params: Any, given: Any) -> Any:
+    """``args`` with ``params`` at ``argnum`` (as a list), or ``args`` if nothing changed."""
+    if argnum is None or params is given:
+        return list(args)
+    new = list(args)
+    new[argnum] = params
+    return new
+
+
+def _unpack(call: str, out: Any) -> tuple[Any, Any]:
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(
+            f"{call}: with has_aux=True, step_fn must return a pair (grads, aux), got "
+            f"{describe(out)}"
+            f"{' of length ' + str(len(out)) if isinstance(out, (tuple, list)) else ''}; return "
+            f"(grads, aux), as torch.func.grad_and_value does, or pass has_aux=False."
+        )
+    return out[0], out[1]

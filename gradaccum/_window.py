@@ -1,0 +1,314 @@
+"""The sync protocol: how a window's gradients are kept, and combined across processes.
+
+A sync ([`Sync`][gradaccum.sync.Sync]) opens one [`Window`][gradaccum.sync.Window] per
+accumulation window. The core (``accumulate``, ``Accumulator``) drives the window through its
+life and never looks at which sync it is:
+
+1. ``prepare`` (fast path) or the first ``add``: the running sums get their storage;
+2. per micro-batch: ``params`` before the forward; then either ``add`` (a whole gradient tree,
+   from a step function that returns one) or, on the fast path, autograd hooks calling
+   ``adopt`` (a leaf's first gradient becomes, or is copied into, its running sum) and ``grad``
+   (a gradient handed over and dropped); ``last`` before the window's last backward, during
+   which ``ready`` marks each leaf whose sum is final (overlap); ``step`` after each micro-batch;
+3. ``finish`` at the boundary (or ``abort`` after an error): the window's gradient.
+
+This base class is the window of one process: plain running sums, divided by the local weight.
+A sync overrides what it needs (where the sums live, what happens when a leaf is ready, the
+boundary); everything else is inherited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _checkpoint, _reduce, _tree
+from ._accum_state import AccumState
+from ._errors import describe
+from ._layout import Layout, make_layout, spec_of
+
+__all__ = ["LOCAL", "Local", "Sync", "Window", "WindowSpec", "check_sync"]
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """What the core tells a sync when a window opens.
+
+    Attributes:
+        where: The call shape that errors name (e.g. ``"accumulate(loss, n=4)(...)"``).
+        layout: The gradients' key paths, shapes, dtypes and accumulation dtypes
+            (``layout.paths``, ``.shapes``, ``.dtypes``, ``.accum_dtypes``, ``.devices``).
+        reduction: ``"mean"``, ``"sum"`` or ``"count"``.
+        n: The window's number of micro-batches.
+        agree_n: Whether the ranks must also agree on ``n`` (``Accumulator``: a rank with
+            another ``n`` would pair micro-batches of different windows).
+        state: The sync's state from the previous window (``None`` in the first one).
+        params: The differentiated argument as the caller of ``accumulate`` gave it (e.g. a
+            ``Sharded`` to gather), or ``None`` (``Accumulator``).
+    """
+
+    where: str
+    layout: Layout
+    reduction: str
+    n: int
+    agree_n: bool = False
+    state: Any = None
+    params: Any = None
+
+
+class Window:
+    """One accumulation window: the running sums of its gradients, and its boundary.
+
+    The base class keeps plain running sums in one process and divides them by the window's
+    weight at [`finish()`][gradaccum.sync.Window.finish]. Subclass it to write a sync; see
+    [`Sync`][gradaccum.sync.Sync] for an example.
+
+    Attributes:
+        spec: The [`WindowSpec`][gradaccum.sync.WindowSpec] it was opened with.
+        layout: ``spec.layout``.
+        sums: The running sums, one tensor per gradient leaf in the accumulation dtype, or
+            ``None`` before the first micro-batch.
+        state: The sync's state to carry to the next window (``spec.state`` unless ``finish``
+            replaces it).
+    """
+
+    prescale = False  # one process, mean: the fast path may scale each backward by rows/total
+    overlap = False  # call ready(i) during the window's last backward
+
+    def __init__(self, spec: WindowSpec) -> None:
+        self.spec, self.layout, self.state = spec, spec.layout, spec.state
+        self.where = spec.where
+        self.sums: list[torch.Tensor] | None = None
+
+    def at(self, where: str) -> None:
+        """Errors from here on name ``where`` (the call now driving the window)."""
+        self.where = where
+
+    # -- where the running sums live ------------------------------------------------------------
+
+    def storage(self, zero: bool) -> list[torch.Tensor] | None:
+        """New tensors for the running sums (zeroed, or uninitialised), or None for "any".
+
+        ``None`` (the default when ``zero`` is False) keeps each leaf's first gradient as its
+        running sum, without a copy. Override it to place the sums in flat buckets.
+        """
+        if not zero:
+            return None
+        lay = self.layout
+        return [
+            torch.zeros(s, dtype=d, device=v)
+            for s, d, v in zip(lay.shapes, lay.accum_dtypes, lay.devices)
+        ]
+
+    def prepare(self, zero: bool) -> None:
+        """Before the fast path's first backward: allocate the storage (zeroed if ``zero``)."""
+        if self.sums is None:
+            self.sums = self.storage(zero)
+
+    def restore(self, sums: list[torch.Tensor]) -> None:
+        """Take existing running sums (a state's, or a checkpoint's copies into ``storage``)."""
+        self.sums = sums
+
+    def tree(self, like: Any = None) -> Any:
+        """The running sums as a tree (``AccumState.sums``), or ``None`` before any.
+
+        ``like``: a tree of the same structure (under torch.compile, its spec is the one to use).
+        """
+        if self.sums is None:
+            return None
+        spec = self.layout.spec if like is None else spec_of(self.layout, like)
+        return _tree.unflatten(spec, self.sums)
+
+    # -- micro-batches --------------------------------------------------------------------------
+
+    def begin(self, count: int) -> None:
+        """The caller brings ``count`` more micro-batches (a sync may refuse too many)."""
+
+    def params(self, step: int, given: Any) -> Any:
+        """The params for micro-step ``step``; by default the ones the caller gave."""
+        return given
+
+    def streams(self, i: int) -> bool:
+        """Whether leaf ``i``'s gradient is handed over every micro-step (no running sum)."""
+        return False
+
+    def add(self, grads: list[torch.Tensor], alpha: float) -> None:
+        """Add one micro-batch's gradients, scaled by ``alpha``, into the running sums."""
+        with torch.no_grad():
+            if self.sums is None:
+                out = self.storage(zero=False)
+                self.sums = _reduce.first_add(grads, self.layout.accum_dtypes, alpha, out)
+            else:
+                _reduce.add_into(self.sums, grads, alpha)
+
+    def adopt(self, i: int, g: torch.Tensor | None) -> torch.Tensor:
+        """Fast path: leaf ``i``'s first gradient (None: it got none); return its running sum.
+
+        Autograd accumulates the later micro-batches into the returned tensor (the leaf's
+        ``.grad``), so it must have the leaf's dtype and shape.
+        """
+        if self.sums is None:
+            self.sums = [None] * len(self.layout.shapes)  # type: ignore[list-item]
+        s = self.sums[i]
+        if s is None:
+            s = g if g is not None else torch.zeros(self.layout.shapes[i], dtype=self.layout.accum_dtypes[i], device=self.layout.devices[i])
+            self.sums[i] = s
+        elif g is None:
+            s.zero_()
+        else:
+            s.copy_(g)
+        return s
+
+    def grad(self, i: int, g: torch.Tensor, alpha: float) -> None:
+        """Fast path: leaf ``i``'s gradient of this micro-batch is ``alpha * g`` (then dropped)."""
+        if self.sums is None:
+            self.sums = self.storage(zero=True)
+        assert self.sums is not None
+        self.sums[i].add_(g, alpha=alpha)
+
+    def last(self) -> None:
+        """The coming backward is the window's last (a sync may open its boundary here)."""
+
+    def ready(self, i: int) -> None:
+        """During the last backward (with ``overlap``): leaf ``i``'s running sum is final."""
+
+    def step(self) -> None:
+        """A micro-batch's gradients are all in."""
+
+    # -- the boundary ---------------------------------------------------------------------------
+
+    def finish(self, weight: _reduce.Weight, failed: bool = False) -> Any:
+        """The window's gradient (in the params' dtypes), from its sums and total ``weight``.
+
+        ``failed`` joins the boundary on behalf of a rank whose window raised, so that the
+        other ranks raise too (its result is ignored). Set ``self.state`` for the next window.
+        """
+        where, reduction = self.where, self.spec.reduction
+        if self.sums is None:
+            raise ValueError(
+                f"{where}: the window holds no micro-batch, so there is no gradient to return; "
+                f"call add() at least once before finalize()."
+            )
+        if reduction == "count" and not isinstance(weight, torch.Tensor) and weight <= 0:
+            raise ValueError(
+                f"{where}: the window's counts add up to {weight}, so there is no item mean to "
+                f"divide by; skip windows with no items (e.g. all padding), or use "
+                f"reduction='sum'."
+            )
+        return self.normalised(weight)
+
+    def normalised(self, total: _reduce.Weight) -> Any:
+        """The sums divided by ``total`` (in place) under the reduction, cast, as a tree."""
+        lay = self.layout
+        sums = self.sums if self.sums is not None else self.storage(zero=True)
+        assert sums is not None
+        with torch.no_grad():
+            _reduce.normalise(self.spec.reduction, sums, total)  # type: ignore[arg-type]
+            out = [s.to(d) for s, d in zip(sums, lay.dtypes)]
+        return _tree.unflatten(lay.spec, out)
+
+    def abort(self, weight: _reduce.Weight) -> None:
+        """Join the boundary flagged as failed (errors here are dropped by the caller)."""
+
+
+class Sync:
+    """A way to combine each window's gradients across processes: the extension point.
+
+    The core calls [`open()`][gradaccum.sync.Sync.open] once per window and drives the
+    [`Window`][gradaccum.sync.Window] it returns; a new sync is one subclass of each, in one
+    module, with no change to gradaccum. The built-in ones are
+    [`AllReduce`][gradaccum.sync.AllReduce], [`ReduceScatter`][gradaccum.sync.ReduceScatter] and
+    [`CustomReduce`][gradaccum.sync.CustomReduce]; ``sync=None`` is [`Local`][gradaccum.sync.Local].
+
+    Examples:
+        A sync that sums every rank's gradient with one plain ``all_reduce`` per leaf, using the
+        transport for the weight and the failure flag:
+
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> from gradaccum.sync import Comm, Sync, Window
+        >>> class PerLeafWindow(Window):
+        ...     def finish(self, weight, failed=False):
+        ...         comm = Comm(self.spec.where, None)
+        ...         total = comm.settle(comm.exchange(torch.device("cpu"), weight, failed),
+        ...                             self.spec.reduction, failed)
+        ...         sums = self.sums or self.storage(zero=True)
+        ...         for s in sums:
+        ...             comm.wait(comm.all_reduce(s, "a leaf", "gradients"), "a leaf")
+        ...         self.sums = sums
+        ...         return self.normalised(total)
+        >>> class PerLeaf(Sync):
+        ...     def open(self, spec):
+        ...         return PerLeafWindow(spec)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> step = gradaccum.accumulate(lambda p, x: {"w": x.mean(0) * p["w"]}, 2, sync=PerLeaf())
+        >>> step({"w": torch.ones(2)}, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        {'w': tensor([2., 3.])}
+        >>> dist.destroy_process_group()
+    """
+
+    def open(self, spec: WindowSpec) -> Window:
+        """A window for gradients of ``spec.layout``; may communicate (e.g. a fingerprint)."""
+        raise NotImplementedError(f"{type(self).__name__}.open(spec) must return a Window")
+
+    def layout(
+        self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0
+    ) -> Layout:
+        """The layout of the gradients with respect to ``params`` (the argument(s) at
+        ``argnums``, as the caller gave them: a tuple of trees for a tuple of argnums)."""
+        return make_layout(where, params, accum_dtype)
+
+    @property
+    def state(self) -> Any:
+        """The state kept between the windows of [`accumulate()`][gradaccum.accumulate]."""
+        return None
+
+    def load_state(self, state: Any) -> None:
+        """Keep ``state`` (a window's ``state`` after ``finish``) for the next window."""
+
+    def state_dict(self, reduction: str, state: AccumState[Any]) -> dict[str, Any]:
+        """An ``Accumulator`` state as a dict (copies); ``torch.load(weights_only=True)`` safe."""
+        return _checkpoint.save(reduction, state)
+
+    def load_state_dict(
+        self, spec: WindowSpec, state: AccumState[Any], sd: dict[str, Any]
+    ) -> AccumState[Any]:
+        """Validate ``sd`` against ``state`` (a fresh one) and rebuild the saved state."""
+        saved, weight = _checkpoint.load(spec.reduction, state, sd, spec.n)
+        sums = None
+        if saved is not None:
+            window = self.open(spec)
+            window.prepare(zero=False)
+            if window.sums is None:
+                window.restore([s.to(d, copy=True) for s, d in zip(saved, spec.layout.devices)])
+            else:
+                with torch.no_grad():
+                    torch._foreach_copy_(window.sums, saved)
+            sums = window.tree()
+        return state._replace(sums=sums, weight=weight, micro_step=int(sd["micro_step"]),
+                              window=int(sd["window"]), reduce_state=sd.get("reduce_state"))
+
+
+class Local(Sync):
+    """One process: nothing is communicated (``sync=None``)."""
+
+    def open(self, spec: WindowSpec) -> Window:
+        """A window of plain running sums."""
+        window = Window(spec)
+        window.prescale = True
+        return window
+
+
+LOCAL = Local()
+
+
+def check_sync(where: str, sync: object) -> None:
+    """Validate ``sync=``."""
+    if sync is not None and not isinstance(sync, Sync):
+        raise TypeError(
+            f"{where}: sync must be None, gradaccum.all_reduce(...), "
+            f"gradaccum.reduce_scatter(sharded), a custom reduction or another "
+            f"gradaccum.sync.Sync, got {describe(sync)}; pass sync=gradaccum.all_reduce() to "
+            f"synchronise over the default process group."
+        )
