@@ -1049,37 +1049,43 @@ LOAD_MISMATCH = [
     ),
     pytest.param(
         lambda: [1, 2],
-        "expected a dict saved by Accumulator.state_dict (format 'gradaccum.streaming.AccumState/1'), got "
+        "expected a dict saved by Accumulator.state_dict "
+        "(format 'gradaccum.streaming.AccumState/1'), got "
         "list" + LOAD_FIX,
         id="list",
     ),
     pytest.param(
         lambda: None,
-        "expected a dict saved by Accumulator.state_dict (format 'gradaccum.streaming.AccumState/1'), got "
+        "expected a dict saved by Accumulator.state_dict "
+        "(format 'gradaccum.streaming.AccumState/1'), got "
         "NoneType None" + LOAD_FIX,
         id="None",
     ),
     pytest.param(
         lambda: torch.ones(2, dtype=F64),
-        "expected a dict saved by Accumulator.state_dict (format 'gradaccum.streaming.AccumState/1'), got "
+        "expected a dict saved by Accumulator.state_dict "
+        "(format 'gradaccum.streaming.AccumState/1'), got "
         "Tensor(shape=(2,), dtype=float64)" + LOAD_FIX,
         id="tensor",
     ),
     pytest.param(
         lambda: torch.nn.Linear(2, 1).state_dict(),
-        "expected a dict saved by Accumulator.state_dict (format 'gradaccum.streaming.AccumState/1'), got "
+        "expected a dict saved by Accumulator.state_dict "
+        "(format 'gradaccum.streaming.AccumState/1'), got "
         "format None" + LOAD_FIX,
         id="module-state-dict",
     ),
     pytest.param(
         lambda: {},
-        "expected a dict saved by Accumulator.state_dict (format 'gradaccum.streaming.AccumState/1'), got "
+        "expected a dict saved by Accumulator.state_dict "
+        "(format 'gradaccum.streaming.AccumState/1'), got "
         "format None" + LOAD_FIX,
         id="empty-dict",
     ),
     pytest.param(
         lambda: {**_saved(params()), "format": "gradaccum.streaming.AccumState/0"},
-        "expected a dict saved by Accumulator.state_dict (format 'gradaccum.streaming.AccumState/1'), got "
+        "expected a dict saved by Accumulator.state_dict "
+        "(format 'gradaccum.streaming.AccumState/1'), got "
         "format 'gradaccum.streaming.AccumState/0'" + LOAD_FIX,
         id="other-format",
     ),
