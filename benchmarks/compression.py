@@ -15,7 +15,8 @@ cosine decay of the learning rate to zero, one optimizer step per window:
 ``accumulate(gradaccum.grad_and_value(loss_fn), n=4, has_aux=True, sync=...)``, with
 
 - ``exact``: ``gradaccum.all_reduce()``, the reference;
-- ``bf16`` / ``fp16``: ``gradaccum.compression.compressed_all_reduce(torch.bfloat16 / torch.float16)``;
+- ``bf16`` / ``fp16``:
+  ``gradaccum.compression.compressed_all_reduce(torch.bfloat16 / torch.float16)``;
 - ``topk-0.1`` / ``topk-0.01``: ``gradaccum.compression.topk_all_reduce(ratio=0.1 / 0.01)``;
 - ``powersgd-4``: ``gradaccum.compression.powersgd(rank=4)``.
 

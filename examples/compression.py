@@ -6,13 +6,14 @@ Nothing is communicated inside the window; at the boundary the window's gradient
 group by the reduction that ``--reduce`` picks:
 
 - ``exact``: ``gradaccum.all_reduce()``, float32, the whole gradient (the reference);
-- ``bf16`` / ``fp16``: ``gradaccum.compression.compressed_all_reduce(torch.bfloat16 / torch.float16)``, each
-  rank's share of the gradient rounded to 16 bits on the wire: half the bytes;
-- ``topk``: ``gradaccum.compression.topk_all_reduce(ratio=--ratio)``, the largest ``ratio`` of the elements
-  (values and int64 indices, all-gathered), the rest kept in an error-feedback buffer and sent
-  later;
-- ``powersgd``: ``gradaccum.compression.powersgd(rank=--powersgd-rank)``, each weight matrix sent as two
-  thin factors (one power iteration per window), with error feedback.
+- ``bf16`` / ``fp16``:
+  ``gradaccum.compression.compressed_all_reduce(torch.bfloat16 / torch.float16)``, each rank's
+  share of the gradient rounded to 16 bits on the wire: half the bytes;
+- ``topk``: ``gradaccum.compression.topk_all_reduce(ratio=--ratio)``, the largest ``ratio`` of
+  the elements (values and int64 indices, all-gathered), the rest kept in an error-feedback
+  buffer and sent later;
+- ``powersgd``: ``gradaccum.compression.powersgd(rank=--powersgd-rank)``, each weight matrix
+  sent as two thin factors (one power iteration per window), with error feedback.
 
 The compressed reductions are ``gradaccum.custom_reduce`` functions: before calling them,
 gradaccum sums the window's rows and a failure flag over the group (a 32-byte all_reduce; it

@@ -6,11 +6,11 @@ probability ``q``, so its size varies around ``L = q * N``), each rank takes its
 
 - ``torch.func.vmap(torch.func.grad(loss_of_one_sample))`` as the step function (per-sample
   gradients),
-- ``micro_transform=gradaccum.privacy.clip_per_sample(C)`` (each sample's gradient clipped to norm ``C``,
-  then summed; ``reduction="sum"``),
-- ``sync=gradaccum.privacy.dp_noise(sigma, C, L, seed=...)``: at the boundary the clipped sums are added
-  over the ranks, Gaussian noise of standard deviation ``sigma * C`` is added once (the same draw
-  on every rank), and the result is divided by the expected batch size ``L``.
+- ``micro_transform=gradaccum.privacy.clip_per_sample(C)`` (each sample's gradient clipped to
+  norm ``C``, then summed; ``reduction="sum"``),
+- ``sync=gradaccum.privacy.dp_noise(sigma, C, L, seed=...)``: at the boundary the clipped sums
+  are added over the ranks, Gaussian noise of standard deviation ``sigma * C`` is added once
+  (the same draw on every rank), and the result is divided by the expected batch size ``L``.
 
 So the update is the DP-SGD update of Abadi et al. (2016) over the whole logical batch, however
 it is split over ranks and micro-batches, and every rank keeps the same model. The privacy

@@ -5,11 +5,12 @@ Every rank keeps only its shard of the parameters: ``gradaccum.shard`` cuts them
 multiple of the number of ranks and keeps this rank's chunk of each. AdamW steps on the flat
 shard tensors (``sharded.shards``), so its two moment buffers are sharded too. Each optimizer
 step is one call of ``gradaccum.accumulate(..., sync=gradaccum.reduce_scatter(sharded))`` on the
-``Sharded`` object: it all-gathers the full parameters (one ``all_gather`` per bucket), runs
-``-n`` micro-batches through the model, and returns this rank's shard of the gradient of the
-mean loss over the *global* batch, exact when the ranks hold unequal rows (``--batch 45`` on 2
-ranks: 23 and 22). Then ``gradaccum.boundary.clip_by_global_norm`` over the shards (one one-element
-``all_reduce``), ``sharded.write_grads`` and ``optimizer.step()``. No module hooks: the module
+``gradaccum.sync.Sharded`` that ``gradaccum.shard`` returned: it all-gathers the full
+parameters (one ``all_gather`` per bucket), runs ``-n`` micro-batches through the model, and
+returns this rank's shard of the gradient of the mean loss over the *global* batch, exact when
+the ranks hold unequal rows (``--batch 45`` on 2 ranks: 23 and 22). Then
+``gradaccum.boundary.clip_by_global_norm`` over the shards (one one-element ``all_reduce``),
+``sharded.write_grads`` and ``optimizer.step()``. No module hooks: the module
 itself is moved to the meta device and only lends its structure to ``functional_call``.
 
 ``--policy`` picks when gradients are reduce-scattered: ``boundary`` (full gradients accumulate
@@ -26,8 +27,8 @@ With ``--check``, every rank also trains a plain PyTorch reference in float64 in
 the whole global batch (``loss.backward()``, ``clip_grad_norm_``, AdamW with the same parameter
 groups, no communication). The script prints the largest parameter difference between the two
 and exits with status 1 if it exceeds the tolerance (1e-9 for a float64 run, 1e-4 for float32).
-It always prints what ``gradaccum.sync.record_collectives()`` logged per optimizer step, and fails if
-that differs from the count the policy predicts, on any rank.
+It always prints what ``gradaccum.sync.record_collectives()`` logged per optimizer step, and
+fails if that differs from the count the policy predicts, on any rank.
 
 With ``--checkpoint DIR``, each rank saves its shards and its optimizer state to
 ``DIR/rank<RANK>.pt`` halfway through; at the end a fresh ``Sharded`` and optimizer (from other
