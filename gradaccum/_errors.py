@@ -1,7 +1,7 @@
 """Error types and message builders.
 
 Every message starts with the call shape, says what was expected and what came, and ends with
-the fix (see STYLE.md). Builtin ``TypeError``/``ValueError`` are used for wrong kinds and values;
+the fix (see CONTRIBUTING.md). Builtin ``TypeError``/``ValueError`` are used for wrong kinds and values;
 [`GradAccumError`][gradaccum.GradAccumError] for mismatches between processes and saved state.
 """
 

@@ -47,6 +47,16 @@ class WindowSpec:
         state: The sync's state from the previous window (``None`` in the first one).
         params: The differentiated argument as the caller of ``accumulate`` gave it (e.g. a
             ``Sharded`` to gather), or ``None`` (``Accumulator``).
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from gradaccum.sync import Local, WindowSpec
+        >>> lay = Local().layout("example", {"w": torch.zeros(2)}, None)
+        >>> window = Local().open(WindowSpec("example", lay, "sum", n=2))
+        >>> window.add([torch.ones(2)], 1.0)
+        >>> window.add([torch.ones(2)], 1.0)
+        >>> window.finish(2)
+        {'w': tensor([2., 2.])}
     """
 
     where: str
@@ -72,6 +82,16 @@ class Window:
             ``None`` before the first micro-batch.
         state: The sync's state to carry to the next window (``spec.state`` unless ``finish``
             replaces it).
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from gradaccum.sync import Window, WindowSpec
+        >>> lay = gradaccum.sync.Local().layout("example", {"w": torch.zeros(2)}, None)
+        >>> window = Window(WindowSpec("example", lay, "mean", n=2))
+        >>> window.add([torch.tensor([1.0, 2.0])], 3)  # 3 rows, mean gradient [1, 2]
+        >>> window.add([torch.tensor([5.0, 6.0])], 1)  # 1 row
+        >>> window.finish(4)  # (3 * [1, 2] + [5, 6]) / 4
+        {'w': tensor([2., 3.])}
     """
 
     prescale = False  # one process, mean: the fast path may scale each backward by rows/total
@@ -291,7 +311,18 @@ class Sync:
 
 
 class Local(Sync):
-    """One process: nothing is communicated (``sync=None``)."""
+    """One process: nothing is communicated (``sync=None`` means this).
+
+    Its window keeps plain running sums and, under ``mean`` on the fast path, scales each
+    backward by its share of the rows, so the boundary has nothing left to divide.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> step = gradaccum.accumulate(lambda p, x: {"w": x.mean(0) * p["w"]}, 2,
+        ...                             sync=gradaccum.sync.Local())
+        >>> step({"w": torch.ones(2)}, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        {'w': tensor([2., 3.])}
+    """
 
     def open(self, spec: WindowSpec) -> Window:
         """A window of plain running sums."""

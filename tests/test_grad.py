@@ -300,11 +300,12 @@ def predict_all(p: Any, b: Any) -> torch.Tensor:
             "loss_fn(params, batch) -> loss.",
         ),
         (
-            lambda: gradaccum.accumulate(gradaccum.grad_and_value(mean_loss), 2),
+            lambda: gradaccum.accumulate(gradaccum.grad_and_value(mean_loss), 2, has_aux=False),
             ValueError,
             "accumulate(mean_loss, n=2): step_fn (gradaccum.grad_and_value(mean_loss, argnums=0, "
             "has_aux=False)) returns (grads, value), so accumulate needs has_aux=True, got "
-            "has_aux=False; pass has_aux=True.",
+            "has_aux=False; pass has_aux=True (or leave it out: it is inferred from the step "
+            "function).",
         ),
         (
             lambda: gradaccum.accumulate(

@@ -6,7 +6,7 @@ all and checks, for each:
 
 - the exception type;
 - the message starts with the call shape (``name(...)``), names the argument, and gives a fix
-  (after the expectation: ``; pass ...``, ``. Use ...``, ``; step_fn must ...``; STYLE.md);
+  (after the expectation: ``; pass ...``, ``. Use ...``, ``; step_fn must ...``; CONTRIBUTING.md);
 - every tensor reachable from the inputs (params, grads, accumulator states, modules' parameters,
   ``.grad`` and buffers, optimizer state, state dicts, shards) is bit-identical afterwards, and
   the containers hold the same keys.
@@ -417,9 +417,9 @@ case(
     "argnums",
 )
 case(
-    "accumulate-grad_and_value-without-has_aux",
+    "accumulate-grad_and_value-with-has_aux-False",
     dict,
-    lambda ns: gradaccum.accumulate(gradaccum.grad_and_value(mean_loss), 2),
+    lambda ns: gradaccum.accumulate(gradaccum.grad_and_value(mean_loss), 2, has_aux=False),
     ValueError,
     "has_aux",
 )
