@@ -11,6 +11,7 @@ from . import streaming as streaming
 from . import sync as sync
 from . import testing as testing
 from ._accumulate import accumulate as accumulate
+from ._all_reduce import all_reduce as all_reduce
 from ._autograd import grad as grad
 from ._autograd import grad_and_value as grad_and_value
 from ._custom import custom_reduce as custom_reduce
@@ -24,7 +25,6 @@ from ._reduce_scatter import reduce_scatter as reduce_scatter
 from ._shard import shard as shard
 from ._split import MicroBatches as MicroBatches
 from ._state import Accumulator as Accumulator
-from ._all_reduce import all_reduce as all_reduce
 
 __version__ = "0.1.0"
 

@@ -88,7 +88,6 @@ def pass_on(old: AccumState[Any], new: AccumState[Any], by: str) -> AccumState[A
     return new._replace(ticket=ticket)
 
 
-
 def check_state(where: str, state: object) -> None:
     """Validate that ``state`` is an [`AccumState`][gradaccum.streaming.AccumState]."""
     if not isinstance(state, AccumState):
@@ -104,5 +103,3 @@ def check_state(where: str, state: object) -> None:
             f"the states that add and finalize return (replace other fields with "
             f"state._replace(...), never the layout)."
         )
-
-

@@ -98,8 +98,8 @@ def accumulate(
             params and returns this rank's gradient shards, a tuple aligned with
             ``sharded.shards``. Or a [`custom_reduce()`][gradaccum.custom_reduce] (your own
             boundary reduction, or a built-in one such as
-            [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]); it keeps its state
-            between calls in [`CustomReduce.state`][gradaccum.sync.CustomReduce.state].
+            [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]); it keeps
+            its state between calls in [`CustomReduce.state`][gradaccum.sync.CustomReduce.state].
         micro_transform: A function applied to each micro-batch's gradients (the tree
             ``step_fn`` returns) before they are added, e.g. per-sample clipping of
             ``vmap``-ed per-sample gradients followed by their sum; it must return gradients
@@ -280,9 +280,7 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
     return nums
 
 
-def _check_not_empty(
-    call: str, lay: Layout, target: Any, argnums: int | tuple[int, ...]
-) -> None:
+def _check_not_empty(call: str, lay: Layout, target: Any, argnums: int | tuple[int, ...]) -> None:
     """Refuse params with no tensor leaf: nothing to differentiate, nothing to accumulate."""
     if lay.paths:
         return

@@ -173,7 +173,9 @@ class BucketWindow(Window):
                 zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
             ):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = torch.empty(numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device)
+                    buf = torch.empty(
+                        numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device
+                    )
                     for i, off in zip(members, offsets):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
                     self.bufs[k] = buf
@@ -253,8 +255,8 @@ def all_reduce(
             gradients at once, so there is nothing to overlap with.
 
     Returns:
-        An [`AllReduce`][gradaccum.sync.AllReduce]; its [`plan()`][gradaccum.sync.AllReduce.plan] reports
-        the buckets without communicating.
+        An [`AllReduce`][gradaccum.sync.AllReduce]; its
+        [`plan()`][gradaccum.sync.AllReduce.plan] reports the buckets without communicating.
 
     Raises:
         ValueError: ``bucket_mb`` is not positive, ``check`` is not one of its names, or
@@ -288,5 +290,3 @@ def all_reduce(
     return AllReduce(
         group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
     )
-
-

@@ -64,7 +64,8 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
 
     Examples:
         >>> import torch, gradaccum
-        >>> clipped, norm = gradaccum.boundary.clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
+        >>> from gradaccum.boundary import clip_by_global_norm
+        >>> clipped, norm = clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
         >>> norm, clipped["w"]
         (tensor(5.), tensor([0.6000, 0.8000]))
     """
@@ -125,15 +126,14 @@ class LossScale:
 
     The state is a [`LossScaleState`][gradaccum.boundary.LossScaleState]. Multiply the loss by
     ``state.scale`` inside the step function; at the boundary,
-    [`unscale()`][gradaccum.boundary.LossScale.unscale] divides the window's gradient by the scale and
-    decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
-    every rank, so the decision is the same everywhere: every rank skips the step or none does.
-    The rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it
-    after ``growth_interval`` finite windows in a row. Unlike ``GradScaler``, whose scale can
-    back off to 0 (after which every window is skipped), the scale never goes below
-    ``min_scale``: windows that keep overflowing keep being skipped at that scale, and each
-    ``unscale()`` still returns ``finite=False`` for them. A growth that would make the scale
-    infinite leaves it as it is.
+    [`unscale()`][gradaccum.boundary.LossScale.unscale] divides the window's gradient by the scale
+    and decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
+    every rank, so the decision is the same everywhere: every rank skips the step or none does. The
+    rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it after
+    ``growth_interval`` finite windows in a row. Unlike ``GradScaler``, whose scale can back off to
+    0 (after which every window is skipped), the scale never goes below ``min_scale``: windows that
+    keep overflowing keep being skipped at that scale, and each ``unscale()`` still returns
+    ``finite=False`` for them. A growth that would make the scale infinite leaves it as it is.
 
     Args:
         init_scale: The first scale, a finite number ``>= min_scale``.

@@ -290,7 +290,10 @@ class Comm:
         if subject == "params to shard":
             options, done = "bucket_mb and param_groups", "sharded"
         else:
-            options, done = "reduction, sync options and (where it sets the collectives) n", "reduced"
+            options, done = (
+                "reduction, sync options and (where it sets the collectives) n",
+                "reduced",
+            )
         raise GradAccumError(
             f"{self.where}: the ranks disagree on the {subject}: {'; '.join(diffs)}. Every rank "
             f"must pass params with the same key paths, shapes and dtypes, and the same "
@@ -308,7 +311,7 @@ class Comm:
         for j, x in enumerate(extra):
             tail[2 + j] = x
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
-        return tail.tolist()  # type: ignore[no-any-return]
+        return list(tail.tolist())
 
     def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
         """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.

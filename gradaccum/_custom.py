@@ -37,7 +37,8 @@ class CustomReduce(Sync):
     """A boundary reduction of the user's (or a built-in one), with its state between windows.
 
     Make one with [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in such as
-    [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as ``sync=``.
+    [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as
+    ``sync=``.
 
     Attributes:
         fn: The reduction: ``fn(grads, state, group) -> (summed_grads, new_state)``.

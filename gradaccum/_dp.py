@@ -149,7 +149,9 @@ def dp_noise(
         ...     n=2,
         ...     reduction="sum",
         ...     micro_transform=gradaccum.privacy.clip_per_sample(1.0),
-        ...     sync=gradaccum.privacy.dp_noise(noise_multiplier=0.0, max_norm=1.0, expected_batch_size=4),
+        ...     sync=gradaccum.privacy.dp_noise(
+        ...         noise_multiplier=0.0, max_norm=1.0, expected_batch_size=4
+        ...     ),
         ... )
         >>> params = {"w": torch.zeros(2)}
         >>> x, y = torch.tensor([[1.0, 0.0]] * 4), torch.tensor([10.0, 10.0, 0.1, 0.1])

@@ -170,7 +170,9 @@ def _fast(
                     key = (scale, value.dtype, value.device)
                     seed = seeds.get(key)
                     if seed is None:
-                        seed = seeds[key] = torch.full((), scale, dtype=value.dtype, device=value.device)
+                        seed = seeds[key] = torch.full(
+                            (), scale, dtype=value.dtype, device=value.device
+                        )
                 else:
                     alpha_now[0] = scale
                 torch.autograd.backward(value, seed, inputs=leaves)

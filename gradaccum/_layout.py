@@ -234,5 +234,3 @@ def _check_traced(where: str, lay: Layout, grads: Any) -> list[torch.Tensor]:
 def spec_of(lay: Layout, tree: Any) -> _tree.PyTreeSpec:
     """``lay.spec``; under torch.compile, the (polyfill) structure of ``tree``, checked like it."""
     return _tree.flatten(tree)[1] if torch.compiler.is_compiling() else lay.spec
-
-

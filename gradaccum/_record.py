@@ -73,7 +73,7 @@ def record_collectives() -> Iterator[list[Collective]]:
 
 
 def record(kind: str, group: Any, dtype: torch.dtype, numel: int, purpose: str) -> None:
-    """Log one collective in every active [`record_collectives()`][gradaccum.sync.record_collectives]."""
+    """Log one collective in every active ``record_collectives()`` block."""
     if not _LOGS:
         return
     item = Collective(kind, group, dtype, numel, numel * dtype.itemsize, purpose)

@@ -269,7 +269,7 @@ def _join(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
 def first_add(
     grads: list[torch.Tensor],
     dtypes: Sequence[torch.dtype],
-    alpha: int,
+    alpha: float,
     out: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """``alpha * grads`` in ``dtypes`` (one copy, no memset); call under no_grad.
@@ -287,7 +287,7 @@ def first_add(
     return sums
 
 
-def add_into(sums: list[torch.Tensor], grads: list[torch.Tensor], alpha: int) -> None:
+def add_into(sums: list[torch.Tensor], grads: list[torch.Tensor], alpha: float) -> None:
     """``sums += alpha * grads`` in place, one fused call; call under no_grad."""
     torch._foreach_add_(sums, grads, alpha=alpha)
 

@@ -9,9 +9,11 @@ Two policies, per parameter group:
   bucket.
 
 Both end with one ``all_reduce`` of ``[weight, failed]`` (two float64 numbers). The sequence of
-collectives of a window is the same on every rank whatever happens on it: [fingerprint], then ``n`` micro-steps of [params all-gathers, with ``gather="micro_batch"``;
-``every`` buckets in plan order], then the ``boundary`` buckets in plan order, then the weight. A
-rank with fewer micro-batches, or one that failed, completes the sequence with zeros.
+collectives of a window is the same on every rank whatever happens on it: [fingerprint], then
+[params all-gather, once], then ``n`` micro-steps of [params all-gathers, with
+``gather="micro_batch"``; ``every`` buckets in plan order], then the ``boundary`` buckets in
+plan order, then the weight. A rank with fewer micro-batches, or one that failed, completes the
+sequence with zeros.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class ReduceScatter(Sync):
                 )
         weight = sd.get("weight")
         if isinstance(weight, bool) or not (
-            isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
+            isinstance(weight, (int, float))
+            or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
         ):
             raise GradAccumError(
                 f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}; pass "
@@ -194,8 +197,8 @@ class ReduceScatter(Sync):
             ):
                 raise GradAccumError(
                     f"{where}: saved buffer {k} is {describe(t)}, expected "
-                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}; pass the dict "
-                    f"that Accumulator.state_dict() returned on this rank."
+                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}; pass the "
+                    f"dict that Accumulator.state_dict() returned on this rank."
                 )
         with torch.no_grad():
             for t, f in zip(saved, window.full + window.out):  # type: ignore[operator]

@@ -111,7 +111,7 @@ class ScatterWindow(Window):
 
     def streams(self, i: int) -> bool:
         """``every`` leaves hand their gradient over each micro-step."""
-        return self.every[self.plan.bucket_of_leaf[i]]
+        return bool(self.every[self.plan.bucket_of_leaf[i]])
 
     # -- micro-steps --------------------------------------------------------------------------
 

@@ -139,7 +139,9 @@ class Sharded:
             for k, b in enumerate(plan.buckets):
                 full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
-                works.append(comm.all_gather(full, mine, bucket_what(plan, k, "all_gather"), "params"))
+                works.append(
+                    comm.all_gather(full, mine, bucket_what(plan, k, "all_gather"), "params")
+                )
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
             for k, w in enumerate(works):

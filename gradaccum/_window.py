@@ -171,9 +171,17 @@ class Window:
         """
         if self.sums is None:
             self.sums = [None] * len(self.layout.shapes)  # type: ignore[list-item]
-        s = self.sums[i]
+        s: torch.Tensor | None = self.sums[i]
         if s is None:
-            s = g if g is not None else torch.zeros(self.layout.shapes[i], dtype=self.layout.accum_dtypes[i], device=self.layout.devices[i])
+            s = (
+                g
+                if g is not None
+                else torch.zeros(
+                    self.layout.shapes[i],
+                    dtype=self.layout.accum_dtypes[i],
+                    device=self.layout.devices[i],
+                )
+            )
             self.sums[i] = s
         elif g is None:
             s.zero_()
@@ -275,8 +283,10 @@ class Sync:
     def layout(
         self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0
     ) -> Layout:
-        """The layout of the gradients with respect to ``params`` (the argument(s) at
-        ``argnums``, as the caller gave them: a tuple of trees for a tuple of argnums)."""
+        """The layout of the gradients with respect to ``params``, as the caller gave them.
+
+        ``params`` is the argument at ``argnums`` (a tuple of trees for a tuple of argnums).
+        """
         return make_layout(where, params, accum_dtype)
 
     @property
@@ -306,8 +316,13 @@ class Sync:
                 with torch.no_grad():
                     torch._foreach_copy_(window.sums, saved)
             sums = window.tree()
-        return state._replace(sums=sums, weight=weight, micro_step=int(sd["micro_step"]),
-                              window=int(sd["window"]), reduce_state=sd.get("reduce_state"))
+        return state._replace(
+            sums=sums,
+            weight=weight,
+            micro_step=int(sd["micro_step"]),
+            window=int(sd["window"]),
+            reduce_state=sd.get("reduce_state"),
+        )
 
 
 class Local(Sync):

@@ -1,8 +1,8 @@
 """Bad inputs: every error gradaccum raises, with its full message, and nothing mutated.
 
 Each message starts with the call shape, says what was expected and what came, and ends with the
-fix (CONTRIBUTING.md). After an error, the params, the batch, an accumulator state (running sums, weight,
-micro_step) and a module's ``.grad`` and buffers are as they were.
+fix (CONTRIBUTING.md). After an error, the params, the batch, an accumulator state (running sums,
+weight, micro_step) and a module's ``.grad`` and buffers are as they were.
 """
 
 from __future__ import annotations
