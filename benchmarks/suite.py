@@ -22,13 +22,17 @@ batches and steps ``torch.optim.SGD(lr=0.01, momentum=0.9)`` once per batch.
      ``accelerator.backward(loss)``, ``optimizer.step()`` / ``zero_grad()`` per micro-batch;
    - ``hand``: ``(loss * rows / B).backward()`` per micro-batch, then one flat all-reduce;
    - ``gradaccum-func``: ``accumulate(torch.func.grad_and_value(loss_fn), n, has_aux=True,
-     sync=all_reduce())``, ``write_grads``, ``optimizer.step()``;
+     sync=all_reduce())``, ``write_grads``, ``optimizer.step()`` (accumulate recognises the
+     torch.func function and runs it on its autograd fast path);
+   - ``gradaccum-tree``: the same step function wrapped in a lambda, so that accumulate cannot
+     recognise it: the path of any step function that returns a gradient tree;
    - ``gradaccum``: the same over ``gradaccum.grad_and_value`` (torch.autograd; gradients written
      in place into the boundary buckets, the boundary all-reduce overlapping the last backward);
    - ``gradaccum-no-overlap``: ``gradaccum`` with ``all_reduce(overlap=False)``.
 
 2. One process (no process group): ``hand`` (backward into ``.grad``, no collective),
-   ``gradaccum`` and ``gradaccum-func`` (``sync=None``); the reference is ``hand``.
+   ``gradaccum``, ``gradaccum-func`` and ``gradaccum-tree`` (``sync=None``); the reference is
+   ``hand``.
 
 3. Memory: every (strategy, model, n) in a fresh process (a fresh pair for the two-process
    strategies) running a few optimizer steps.
@@ -109,10 +113,11 @@ TWO_PROC = (
     "accelerate",
     "hand",
     "gradaccum-func",
+    "gradaccum-tree",
     "gradaccum",
     "gradaccum-no-overlap",
 )
-ONE_PROC = ("hand", "gradaccum", "gradaccum-func")
+ONE_PROC = ("hand", "gradaccum", "gradaccum-func", "gradaccum-tree")
 ALL = tuple(dict.fromkeys(TWO_PROC + ONE_PROC))
 LR, MOMENTUM = 0.01, 0.9
 REL_TOL = 1e-4  # parameters agree when max |a - b| <= REL_TOL * max |reference|
@@ -220,14 +225,22 @@ def make_strategy(
 
         return Strategy(model, hand_step)
 
-    if name in ("gradaccum", "gradaccum-func", "gradaccum-no-overlap"):
+    if name in ("gradaccum", "gradaccum-func", "gradaccum-tree", "gradaccum-no-overlap"):
         params = gradaccum.params_of(model)
 
         def loss_fn(p: dict[str, torch.Tensor], batch: bm.Batch) -> torch.Tensor:
             xb, yb = batch
             return loss(functional_call(model, p, (xb,)), yb)
 
-        gv = torch.func.grad_and_value if name == "gradaccum-func" else gradaccum.grad_and_value
+        gv: Any = gradaccum.grad_and_value
+        if name == "gradaccum-func":  # recognised by accumulate: the same fast path
+            gv = torch.func.grad_and_value
+        elif name == "gradaccum-tree":  # any function returning a gradient tree: the tree path
+
+            def gv(f: Any) -> Any:
+                inner = torch.func.grad_and_value(f)
+                return lambda p, b: inner(p, b)
+
         if world == 1:
             sync = None
         elif name == "gradaccum-no-overlap":

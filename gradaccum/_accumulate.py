@@ -13,7 +13,7 @@ import torch
 
 from . import _engine, _reduce, _split
 from ._accum_state import AccumState
-from ._autograd import GradFn
+from ._autograd import GradFn, from_torch_func
 from ._errors import describe
 from ._layout import Layout, check_accum_dtype, check_n
 from ._window import LOCAL, Sync, WindowSpec, check_sync
@@ -54,12 +54,19 @@ def accumulate(
             [`gradaccum.grad_and_value`][gradaccum.grad_and_value] (the same results, by
             torch.autograd) each backward adds straight into the accumulator, no gradient tree is
             made per micro-batch, and under a sync each bucket's all-reduce starts during the
-            last backward: the fast path.
+            last backward: the fast path. A function that ``torch.func.grad`` or
+            ``torch.func.grad_and_value`` returned is recognised and takes the same fast path
+            (its function, ``argnums`` and ``has_aux`` are read from it; the first-order
+            gradients are the same); one nested in other transforms, or wrapped, is called as
+            it is.
         n: The number of micro-batches to split each batch into. When ``n`` does not divide
             the batch, the first micro-batches get one row more (the result stays exact). A
             [`MicroBatches`][gradaccum.MicroBatches] batch is used as given, whatever ``n``.
         has_aux: ``step_fn`` returns ``(grads, aux)``; the accumulated function then returns
-            ``(grads, aux)`` with aux combined per ``aux_reduction``.
+            ``(grads, aux)`` with aux combined per ``aux_reduction``. Default: inferred for a
+            [`grad()`][gradaccum.grad] / [`grad_and_value()`][gradaccum.grad_and_value] step
+            function, or a ``torch.func`` one (each says what it returns), ``False`` for any
+            other.
         reduction: ``"mean"``: ``step_fn`` returns the gradient of a mean loss; micro-batches are
             weighted by their rows, giving the gradient of the mean over the whole batch.
             ``"sum"``: gradients are added. ``"count"``: ``step_fn`` returns the gradient of a
@@ -146,7 +153,8 @@ def accumulate(
     check_n(where, n)
     reduction = _reduce.check_reduction(where, reduction)
     check_accum_dtype(where, accum_dtype)
-    grad_fn = step_fn if isinstance(step_fn, GradFn) else None
+    # A gradaccum.grad function, or a torch.func.grad one (the same gradients): the fast path.
+    grad_fn = step_fn if isinstance(step_fn, GradFn) else from_torch_func(step_fn)
     if has_aux is None:  # a grad_and_value (or has_aux) step function returns a pair
         has_aux = grad_fn.returns_aux if grad_fn is not None else False
     if not isinstance(has_aux, bool):
@@ -186,6 +194,8 @@ def accumulate(
         _check_fast(where, grad_fn, argnums, has_aux)
     # The fast path adds each backward straight into the sums: no gradient tree to transform.
     fast = grad_fn if micro_transform is None else None
+    # A torch.func step function stays traceable when the accumulated function is compiled.
+    traceable = fast is not None and not isinstance(step_fn, GradFn)
     kind: Sync = sync if sync is not None else LOCAL
     argnum = argnums if isinstance(argnums, int) else None
     seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
@@ -216,7 +226,7 @@ def accumulate(
             _engine.run(
                 call,
                 step_fn,
-                fast,
+                None if traceable and torch.compiler.is_compiling() else fast,
                 args,
                 kwargs,
                 micro,

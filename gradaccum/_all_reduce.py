@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
-from ._comm import Check, Comm, Probe, check_options, fill_tail, positive
-from ._errors import describe, dtype_name, is_broken
+from ._comm import Check, Comm, Probe, bucket_what, check_options, fill_tail, positive
+from ._errors import describe, is_broken
 from ._layout import make_layout
 from ._window import Sync, Window, WindowSpec
 
@@ -147,20 +147,17 @@ class BucketWindow(Window):
                     break
                 self._launch(nxt)
 
-    def _what(self, k: int) -> str:
-        b = self.plan.buckets[k]
-        return (
-            f"the boundary all_reduce of bucket {k + 1}/{len(self.plan.buckets)} ({b.nbytes} "
-            f"bytes of {dtype_name(b.dtype)})"
-        )
-
     def _launch(self, k: int) -> None:
         if self.probe is not None:  # the ranks' buckets must agree before the first one
             probe, self.probe = self.probe, None
             self.comm.agree(probe)
         buf = self.bufs[k]
         assert buf is not None
-        self.works.append(self.comm.all_reduce(buf, self._what(k), "gradients"))
+        self.works.append(
+            self.comm.all_reduce(
+                buf, bucket_what("boundary all_reduce", self.plan.buckets, k), "gradients"
+            )
+        )
 
     def finish(self, weight: Any, failed: bool = False) -> Any:
         """Launch what is left (the weight and failure flag in the tail), wait, normalise."""
@@ -187,7 +184,9 @@ class BucketWindow(Window):
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for j, work in enumerate(self.works):
-                self.comm.wait(work, self._what(self.order[j]))
+                self.comm.wait(
+                    work, bucket_what("boundary all_reduce", self.plan.buckets, self.order[j])
+                )
             for k in packed:
                 packed_buf = self.bufs[k]
                 assert packed_buf is not None

@@ -19,7 +19,7 @@ from . import _tree
 from ._errors import describe, dtype_name
 from ._layout import make_layout
 
-__all__ = ["GradFn", "grad", "grad_and_value"]
+__all__ = ["GradFn", "from_torch_func", "grad", "grad_and_value"]
 
 
 class GradFn:
@@ -36,20 +36,18 @@ class GradFn:
         argnums: int | tuple[int, ...],
         has_aux: bool,
         with_value: bool,
+        origin: str = "gradaccum",
     ) -> None:
         self.fn = fn
         self.argnums = argnums
         self.has_aux = has_aux
         self.with_value = with_value
         functools.update_wrapper(self, fn)
-        self._kind = "grad_and_value" if with_value else "grad"
+        self._kind = f"{origin}.{'grad_and_value' if with_value else 'grad'}"
         self._name = getattr(fn, "__name__", None) or type(fn).__name__
 
     def __repr__(self) -> str:
-        return (
-            f"gradaccum.{self._kind}({self._name}, argnums={self.argnums!r}, "
-            f"has_aux={self.has_aux!r})"
-        )
+        return f"{self._kind}({self._name}, argnums={self.argnums!r}, has_aux={self.has_aux!r})"
 
     @property
     def _positions(self) -> tuple[int, ...]:
@@ -248,6 +246,42 @@ def grad_and_value(
         _check_has_aux("grad_and_value", has_aux),
         True,
     )
+
+
+def _probe(x: Any) -> Any:
+    return x
+
+
+# The code objects of the functions torch.func.grad / grad_and_value return, to recognise them.
+_TORCH_FUNC = {
+    torch.func.grad(_probe).__code__: False,
+    torch.func.grad_and_value(_probe).__code__: True,
+}
+
+
+def from_torch_func(fn: object) -> GradFn | None:
+    """The fast-path twin of a ``torch.func.grad`` / ``grad_and_value`` function, or None.
+
+    A function that ``torch.func.grad(f, argnums, has_aux)`` returned (at the top level, as
+    ``accumulate`` gets it) computes the same first-order gradients as ``grad(f, argnums,
+    has_aux)``, which runs on torch.autograd. Anything else, or arguments torch.func would refuse
+    when called, gives None: the step function is then called as it is.
+    """
+    code = getattr(fn, "__code__", None)
+    with_value = _TORCH_FUNC.get(code) if code is not None else None
+    closure = getattr(fn, "__closure__", None)
+    if with_value is None or not closure:
+        return None
+    try:
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))  # type: ignore[union-attr]
+        func, argnums, has_aux = cells["func"], cells["argnums"], cells["has_aux"]
+        argnums = _check_argnums("grad", argnums)
+        has_aux = _check_has_aux("grad", has_aux)
+    except (KeyError, ValueError, TypeError):
+        return None
+    if not callable(func):
+        return None
+    return GradFn(func, argnums, has_aux, with_value, origin="torch.func")
 
 
 def _check_fn(name: str, fn: object) -> None:

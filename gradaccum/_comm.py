@@ -33,7 +33,7 @@ from torch._C import _distributed_c10d as c10d
 from ._errors import GradAccumError, describe, mark_broken
 from ._record import record
 
-__all__ = ["FINGERPRINT", "Check", "Comm", "Probe", "check_options", "fill_tail", "positive"]
+__all__ = ["Check", "Comm", "Probe", "bucket_what", "check_options", "fill_tail", "positive"]
 
 
 def resolve(group: Any) -> Any:
@@ -340,6 +340,15 @@ def settle(
             f"with no items on any rank (e.g. all padding), or use reduction='sum'."
         )
     return float(total)
+
+
+def bucket_what(kind: str, buckets: Any, k: int, noun: str = "bucket") -> str:
+    """How a failure names the ``kind`` collective of bucket ``k`` (its bytes and dtype)."""
+    b = buckets[k]
+    return (
+        f"the {kind} of {noun} {k + 1}/{len(buckets)} ({b.nbytes} bytes of "
+        f"{str(b.dtype).removeprefix('torch.')})"
+    )
 
 
 def fill_tail(tail: torch.Tensor, weight: Any, failed: bool) -> None:

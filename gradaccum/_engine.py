@@ -134,8 +134,10 @@ def _fast(
         )
 
     # One process, mean: seed each backward with rows / total rows (as a hand-written loop
-    # scales its loss), so the sums are the mean already and the boundary divides by 1.
-    prescale = sum(r for _, r in micro) if window.prescale and reduction == "mean" else 0
+    # scales its loss), so the sums are the mean already and the boundary divides by 1. Not in
+    # float16/bfloat16, where it would round otherwise than the synced path (scale, then divide).
+    wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
+    prescale = sum(r for _, r in micro) if window.prescale and wide and reduction == "mean" else 0
     last, params = len(micro) - 1, None
     try:
         for j, (mb, rows) in enumerate(micro):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from . import _reduce
-from ._comm import Comm, fill_tail
-from ._errors import dtype_name, is_broken
+from ._comm import Comm, bucket_what, fill_tail
+from ._errors import is_broken
 from ._shard_plan import wire_plan
 from ._window import Window, WindowSpec
 
@@ -186,13 +186,6 @@ class ScatterWindow(Window):
             if self.bound_remaining[k] == 0:
                 self._launch_bound(ready_only=True)
 
-    def _what(self, kind: str, k: int) -> str:
-        b = self.plan.buckets[k]
-        return (
-            f"the {kind} of bucket {k + 1}/{len(self.plan.buckets)} ({b.nbytes} bytes of "
-            f"{dtype_name(b.dtype)})"
-        )
-
     def _launch_ready(self) -> None:
         while self.launched < len(self.every_order):
             k = self.every_order[self.launched]
@@ -209,14 +202,14 @@ class ScatterWindow(Window):
             self._fold(self.in_flight.pop(0))
         region = self.out[b.shard][b.start : b.start + b.chunk]
         target = region if self.steps == 0 else torch.empty_like(region)
-        what = self._what("reduce_scatter", k)
+        what = bucket_what("reduce_scatter", self.plan.buckets, k)
         work = self.comm.reduce_scatter(target, buf, what, "gradients (every)")
         self.in_flight.append((k, work, target, buf))
         self.launched += 1
 
     def _fold(self, item: tuple[int, Any, torch.Tensor, torch.Tensor]) -> None:
         k, work, target, _buf = item
-        self.comm.wait(work, self._what("reduce_scatter", k))
+        self.comm.wait(work, bucket_what("reduce_scatter", self.plan.buckets, k))
         b = self.plan.buckets[k]
         region = self.out[b.shard][b.start : b.start + b.chunk]
         if target.data_ptr() != region.data_ptr():
@@ -244,13 +237,13 @@ class ScatterWindow(Window):
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
-            what = self._what("reduce_scatter", k)
+            what = bucket_what("reduce_scatter", self.plan.buckets, k)
             self.bound_works.append((k, self.comm.reduce_scatter(region, buf, what, "gradients")))
             self.bound_launched += 1
 
     def _wait_bound(self) -> None:
         k, work = self.bound_works.pop(0)
-        self.comm.wait(work, self._what("reduce_scatter", k))
+        self.comm.wait(work, bucket_what("reduce_scatter", self.plan.buckets, k))
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from . import _tree
 from ._checkpoint import check_like, check_meta
-from ._comm import Comm
-from ._errors import GradAccumError, describe, dtype_name
+from ._comm import Comm, bucket_what
+from ._errors import GradAccumError, describe
 from ._layout import make_layout
 from ._shard_plan import ShardPlan, make_shard_plan
 
@@ -140,12 +140,17 @@ class Sharded:
                 full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
                 works.append(
-                    comm.all_gather(full, mine, bucket_what(plan, k, "all_gather"), "params")
+                    comm.all_gather(
+                        full,
+                        mine,
+                        bucket_what("all_gather", plan.buckets, k, "params bucket"),
+                        "params",
+                    )
                 )
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
             for k, w in enumerate(works):
-                comm.wait(w, bucket_what(plan, k, "all_gather"))
+                comm.wait(w, bucket_what("all_gather", plan.buckets, k, "params bucket"))
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -346,18 +351,9 @@ def shard(
             for i, off in zip(b.members, b.offsets):
                 full[off : off + lay.shapes[i].numel()].copy_(leaves[i].reshape(-1))
             if src is not None and world > 1:
-                what = bucket_what(plan, k, "broadcast")
+                what = bucket_what("broadcast", plan.buckets, k, "params bucket")
                 comm.wait(comm.broadcast(full, src, what, "params"), what)
             shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
     return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
-
-
-def bucket_what(plan: ShardPlan, k: int, kind: str) -> str:
-    """How failures name the ``kind`` collective of bucket ``k``."""
-    b = plan.buckets[k]
-    return (
-        f"the {kind} of params bucket {k + 1}/{len(plan.buckets)} ({b.nbytes} bytes of "
-        f"{dtype_name(b.dtype)})"
-    )

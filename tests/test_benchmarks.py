@@ -13,10 +13,11 @@ TWO_PROC = [
     "ddp-no_sync",
     "hand",
     "gradaccum-func",
+    "gradaccum-tree",
     "gradaccum",
     "gradaccum-no-overlap",
 ]
-ONE_PROC = ["hand", "gradaccum", "gradaccum-func"]
+ONE_PROC = ["hand", "gradaccum", "gradaccum-func", "gradaccum-tree"]
 NS = ["1", "2"]
 
 

@@ -341,3 +341,42 @@ def test_has_aux_is_inferred_from_a_gradaccum_step_function() -> None:
     assert torch.allclose(grads["w"], torch.func.grad(loss_fn)(params, x)["w"])
     only = gradaccum.accumulate(gradaccum.grad(loss_fn), 4)(params, x)
     assert torch.allclose(only["w"], grads["w"])
+
+
+def test_a_torch_func_step_function_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accumulate reads torch.func.grad's function, argnums and has_aux, and runs autograd."""
+    import torch._functorch.eager_transforms as eager
+
+    params = {"w": torch.randn(3, dtype=torch.float64), "b": torch.randn((), dtype=torch.float64)}
+    x = torch.randn(10, 3, dtype=torch.float64)
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        return (b @ p["w"] + p["b"]).pow(2).mean()
+
+    def loss_aux(p: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_fn(p, b), b.sum()
+
+    ref = torch.func.grad(loss_fn)(params, x)
+    ref_loss = loss_fn(params, x)
+    step = gradaccum.accumulate(torch.func.grad(loss_fn), 4)
+    value_step = gradaccum.accumulate(torch.func.grad_and_value(loss_fn), 4)  # has_aux inferred
+    aux_step = gradaccum.accumulate(
+        torch.func.grad_and_value(loss_aux, has_aux=True), 4, aux_reduction="sum"
+    )
+    wrapped = gradaccum.accumulate(lambda p, b: torch.func.grad(loss_fn)(p, b), 4)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.func's grad transform ran")
+
+    monkeypatch.setattr(eager, "grad_impl", refuse)
+    monkeypatch.setattr(eager, "grad_and_value_impl", refuse)
+    for k in ref:
+        torch.testing.assert_close(step(params, x)[k], ref[k], rtol=1e-12, atol=1e-12)
+    grads, loss = value_step(params, x)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    grads, (loss, total) = aux_step(params, x)
+    torch.testing.assert_close(total, x.sum(), rtol=1e-12, atol=1e-12)
+    for k in ref:
+        torch.testing.assert_close(grads[k], ref[k], rtol=1e-12, atol=1e-12)
+    with pytest.raises(AssertionError, match="torch.func's grad transform ran"):
+        wrapped(params, x)  # a wrapped torch.func function is called as it is
