@@ -4,7 +4,9 @@ Strategies, run interleaved (round-robin, so machine drift hits all alike), medi
 
 - ``backward``: the classic loop, ``(loss * rows / B).backward()`` into ``.grad`` per micro-batch;
 - ``func-hand``: ``torch.func.grad`` per micro-batch, summed by hand with ``torch._foreach_add_``;
-- ``gradaccum-func``: ``gradaccum.accumulate(torch.func.grad(loss_fn), n)``;
+- ``gradaccum-func``: ``gradaccum.accumulate(lambda p, b: torch.func.grad(loss_fn)(p, b), n)``:
+  the tree path (wrapped, so that accumulate does not recognise the torch.func function and
+  run it on its fast path, as it does with ``accumulate(torch.func.grad(loss_fn), n)``);
 - ``gradaccum``: ``gradaccum.accumulate(gradaccum.grad(loss_fn), n)``, the fast path (each
   backward adds into the accumulator in place).
 
@@ -93,7 +95,8 @@ def main() -> None:
         x = torch.randn(args.micro * n, d_in)
         y = torch.randint(0, 10, (args.micro * n,))
         mbs = list(zip(x.chunk(n), y.chunk(n), strict=True))
-        step = gradaccum.accumulate(g_fn, n)
+        # Wrapped: a bare torch.func.grad function would be recognised and take the fast path.
+        step = gradaccum.accumulate(lambda p, b: g_fn(p, b), n)
         fast = gradaccum.accumulate(gradaccum.grad(loss_fn), n)
 
         fns = _strategies(model, params, loss_fn, g_fn, x, y, mbs, step, fast)

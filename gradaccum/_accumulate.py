@@ -211,10 +211,8 @@ def accumulate(
         target = args[argnum] if argnum is not None else tuple(args[i] for i in grad_args)
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         win = _engine.Progress()
-        spec = None
+        spec, prev = None, seen[0] if seen else None
         try:
-            if seen:
-                spec = WindowSpec(call, seen[0], reduction, n, False, kind.state, target)
             lay = kind.layout(call, target, accum_dtype, argnums)
             _check_not_empty(call, lay, target, argnums)
             seen[:] = [lay]
@@ -240,7 +238,10 @@ def accumulate(
                 micro_transform=micro_transform,
             )
         except Exception:
-            # Join the boundary flagged as failed, so the other ranks raise instead of hanging.
+            # Join the boundary flagged as failed, so the other ranks raise instead of hanging
+            # (with the previous window's layout when the failure came before this one's).
+            if spec is None and prev is not None:
+                spec = WindowSpec(call, prev, reduction, n, False, kind.state, target)
             _engine.abort(win, kind, spec)
             raise
         # The boundary: the one place that communicates (with sync=).

@@ -15,7 +15,7 @@ from ._errors import GradAccumError, describe, dtype_name
 if TYPE_CHECKING:
     from ._accum_state import AccumState
 
-__all__ = ["check_like", "check_meta", "check_progress", "load", "save"]
+__all__ = ["check_counters", "check_like", "check_meta", "check_progress", "load", "save"]
 
 T = TypeVar("T")
 
@@ -90,13 +90,18 @@ def _check_fields(where: str, sd: dict[str, Any]) -> None:
             raise GradAccumError(
                 f"{where}: the state dict has {n} paths but {len(sd[key])} {label}{fix}"
             )
-    for key in ("micro_step", "window"):
-        value = sd[key]
+    check_counters(where, sd, ("micro_step", "window"), fix)
+
+
+def check_counters(where: str, sd: dict[str, Any], keys: tuple[str, ...], fix: str) -> None:
+    """Check that the ``keys`` of a state dict are non-negative ints and its weight a number."""
+    for key in keys:
+        value = sd.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise GradAccumError(
                 f"{where}: {key} must be a non-negative int, got {describe(value)}{fix}"
             )
-    weight = sd["weight"]
+    weight = sd.get("weight")
     if isinstance(weight, bool) or not (
         isinstance(weight, (int, float)) or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
     ):

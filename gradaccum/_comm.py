@@ -11,11 +11,10 @@ On CPU tensors (gloo) the timeout goes into the options. On accelerators (NCCL) 
 that exceeds its own timeout makes the backend's watchdog end the process, so there the timeout
 stays on ``Work.wait`` (NCCL honours it), as before.
 
-Each function returns the ``Work`` of an asynchronous collective; ``wait()`` waits for it.
-
-Above them, [`Comm`][gradaccum.sync.Comm] is a sync's process group for one window: every
-collective logged and named, a wait with a timeout, the fingerprint agreement, and the boundary
-tail (the window's weight and a failure flag), each written once here and used by every sync.
+[`Comm`][gradaccum.sync.Comm] is a sync's process group for one window: every collective
+logged and named, a wait with a timeout, the fingerprint agreement, and the boundary tail (the
+window's weight and a failure flag), each written once here and used by every sync. (All
+all-reduces go through the module function ``all_reduce``, which tests replace to watch them.)
 """
 
 from __future__ import annotations
@@ -36,11 +35,6 @@ from ._record import record
 __all__ = ["Check", "Comm", "Probe", "bucket_what", "check_options", "fill_tail", "positive"]
 
 
-def resolve(group: Any) -> Any:
-    """The process group object: ``None`` is the default (world) group."""
-    return dist.group.WORLD if group is None else group
-
-
 def _options(opts: Any, timeout: float | None, tensor: torch.Tensor) -> Any:
     if timeout is not None and tensor.device.type == "cpu":
         opts.timeout = datetime.timedelta(seconds=timeout)
@@ -58,38 +52,8 @@ def all_reduce(
     """Start an in-place all-reduce of ``tensor`` over ``group``."""
     opts = _options(c10d.AllreduceOptions(), timeout, tensor)
     opts.reduceOp = op
-    return resolve(group).allreduce([tensor], opts)
-
-
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout: float | None) -> Any:
-    """Start a sum of ``inp`` over ``group``, of which this rank keeps its chunk in ``out``."""
-    opts = _options(c10d.ReduceScatterOptions(), timeout, inp)
-    opts.reduceOp = dist.ReduceOp.SUM
-    return resolve(group)._reduce_scatter_base(out, inp, opts)
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, timeout: float | None) -> Any:
-    """Start gathering every rank's ``inp`` into ``out`` (concatenated in rank order)."""
-    opts = _options(c10d.AllgatherOptions(), timeout, inp)
-    return resolve(group)._allgather_base(out, inp, opts)
-
-
-def broadcast(tensor: torch.Tensor, src: int, group: Any, timeout: float | None) -> Any:
-    """Start a broadcast of ``tensor`` from ``src`` (a rank of ``group``) to the group."""
-    opts = _options(c10d.BroadcastOptions(), timeout, tensor)
-    opts.rootRank = src
-    opts.rootTensor = 0
-    return resolve(group).broadcast([tensor], opts)
-
-
-def wait(work: Any, timeout: float | None) -> None:
-    """Wait for ``work``; raises ``RuntimeError`` when it failed or timed out."""
-    if timeout is None:
-        work.wait()
-    else:
-        # The collective fails by itself after its timeout; the wait's own bound is a second
-        # line for backends that do not apply the option.
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    pg: Any = dist.group.WORLD if group is None else group
+    return pg.allreduce([tensor], opts)
 
 
 # -- the transport a sync uses ------------------------------------------------------------------
@@ -181,7 +145,7 @@ class Comm:
                 f"group exists; call torch.distributed.init_process_group(...) first (torchrun "
                 f"sets the environment for it), or drop sync= to train in one process."
             )
-        pg = resolve(group)
+        pg: Any = dist.group.WORLD if group is None else group
         rank = -1 if pg is dist.GroupMember.NON_GROUP_MEMBER else dist.get_rank(pg)
         if rank < 0:
             raise ValueError(
@@ -204,25 +168,33 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start a sum of ``inp`` over the group, this rank's chunk of it into ``out``."""
         record("reduce_scatter", self.group, inp.dtype, inp.numel(), purpose)
+        opts = _options(c10d.ReduceScatterOptions(), self.timeout, inp)
+        opts.reduceOp = dist.ReduceOp.SUM
         with self.failing(what):
-            return reduce_scatter(out, inp, self.group, self.timeout)
+            return self.group._reduce_scatter_base(out, inp, opts)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start gathering every rank's ``inp`` into ``out``, in rank order."""
         record("all_gather", self.group, out.dtype, out.numel(), purpose)
+        opts = _options(c10d.AllgatherOptions(), self.timeout, inp)
         with self.failing(what):
-            return all_gather(out, inp, self.group, self.timeout)
+            return self.group._allgather_base(out, inp, opts)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str, purpose: str) -> Any:
         """Start a broadcast of ``tensor`` from rank ``src``."""
         record("broadcast", self.group, tensor.dtype, tensor.numel(), purpose)
+        opts = _options(c10d.BroadcastOptions(), self.timeout, tensor)
+        opts.rootRank, opts.rootTensor = src, 0
         with self.failing(what):
-            return broadcast(tensor, src, self.group, self.timeout)
+            return self.group.broadcast([tensor], opts)
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
         with self.failing(what):
-            wait(work, self.timeout)
+            if self.timeout is None:
+                work.wait()
+            else:  # the collective fails by itself after its timeout; this bound is a second line
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
 
     @contextlib.contextmanager
     def failing(self, what: str) -> Iterator[None]:

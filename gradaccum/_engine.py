@@ -109,6 +109,9 @@ def _fast(
     direct = lay.accum_dtypes == lay.dtypes
     native = [direct and not window.streams(i) for i in range(len(lay.shapes))]
     window.prepare(zero=not all(native))
+    # Storage allocated up front: each first gradient is moved into it as autograd produces it
+    # (a hook), so that it is freed at once. Without, the first gradients are the sums as they are.
+    moving = window.sums is not None
     alpha_now: list[float] = [1]
     hooks: list[Any] = []
     first: list[Any] = []  # the hooks that hand the first gradients to the window
@@ -152,7 +155,10 @@ def _fast(
                 new_args, leaves, _ = fn.alias(call, _with_params(args, argnum, p, given))
                 hooks.extend(hook(on_grad, i, x) for i, x in enumerate(leaves) if not native[i])
                 if j == 0:
-                    first.extend(hook(on_first, i, x) for i, x in enumerate(leaves) if native[i])
+                    if moving:
+                        first.extend(
+                            hook(on_first, i, x) for i, x in enumerate(leaves) if native[i]
+                        )
                 else:  # the running sums carry over to the new leaves
                     assert window.sums is not None
                     for i, leaf in enumerate(leaves):
@@ -183,8 +189,8 @@ def _fast(
                     h.remove()
                 first.clear()
                 for i, leaf in enumerate(leaves):
-                    if native[i] and i not in adopted:  # no gradient in this micro-batch
-                        leaf.grad = window.adopt(i, None)
+                    if native[i] and i not in adopted:  # not moved by a hook, or no gradient
+                        leaf.grad = window.adopt(i, leaf.grad)
             window.step()
             _count(win, weight)
             if aux_acc is not None:

@@ -26,7 +26,7 @@ import torch
 
 from ._accum_state import AccumState
 from ._buckets import Bucket
-from ._checkpoint import check_meta, check_progress
+from ._checkpoint import check_counters, check_meta, check_progress
 from ._comm import Check, check_options
 from ._errors import GradAccumError, describe
 from ._layout import Layout, make_layout, with_accum
@@ -163,21 +163,9 @@ class ReduceScatter(Sync):
                     f"{where}: the state was saved with {key}={sd.get(key)!r} but this accumulator "
                     f"has {key}={value!r}; load it with the same reduction, policy and accum_dtype."
                 )
-        for key in ("micro_step", "window", "steps"):
-            if isinstance(sd.get(key), bool) or not isinstance(sd.get(key), int) or sd[key] < 0:
-                raise GradAccumError(
-                    f"{where}: {key} must be a non-negative int, got {describe(sd.get(key))}; pass "
-                    f"the dict that Accumulator.state_dict() returned on this rank."
-                )
-        weight = sd.get("weight")
-        if isinstance(weight, bool) or not (
-            isinstance(weight, (int, float))
-            or (isinstance(weight, torch.Tensor) and weight.dim() == 0)
-        ):
-            raise GradAccumError(
-                f"{where}: weight must be a number or a 0-dim tensor, got {describe(weight)}; pass "
-                f"the dict that Accumulator.state_dict() returned on this rank."
-            )
+        fix = "; pass the dict that Accumulator.state_dict() returned on this rank."
+        check_counters(where, sd, ("micro_step", "window", "steps"), fix)
+        weight = sd["weight"]
         check_progress(where, reduction, sd, n, sd.get("full") is not None)
         if sd["steps"] > n:
             raise GradAccumError(
