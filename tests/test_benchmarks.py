@@ -116,3 +116,26 @@ def test_sharded_quick(tmp_path: Path) -> None:
         by_kind["every-micro_batch"]["all_gather"]["count"]
         == 4 * (by_kind["every"]["all_gather"]["count"])
     )
+
+
+@pytest.mark.timeout(120)
+def test_ab_overhead_runs_two_copies_side_by_side() -> None:
+    package = Path(__file__).resolve().parent.parent / "gradaccum"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SUITE.parent / "ab_overhead.py"),
+            str(package),
+            str(package),
+            "--rounds",
+            "1",
+            "--calls",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if "second/first" in line]
+    assert len(rows) == 6, proc.stdout
