@@ -32,7 +32,16 @@ from torch._C import _distributed_c10d as c10d
 from ._errors import GradAccumError, describe, mark_broken
 from ._record import record
 
-__all__ = ["Check", "Comm", "Probe", "bucket_what", "check_options", "fill_tail", "positive"]
+__all__ = [
+    "Check",
+    "Comm",
+    "Probe",
+    "bucket_what",
+    "check_options",
+    "check_timeout",
+    "fill_tail",
+    "positive",
+]
 
 
 def _options(opts: Any, timeout: float | None, tensor: torch.Tensor) -> Any:
@@ -71,14 +80,19 @@ def check_options(where: str, check: object, timeout: object, overlap: object = 
             f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
             f"trees agree in every window), 'full' (a debug mode) or 'never'."
         )
+    check_timeout(where, timeout)
+    if not isinstance(overlap, bool):
+        raise TypeError(
+            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
+        )
+
+
+def check_timeout(where: str, timeout: object) -> None:
+    """Validate ``timeout``: None, or a positive, finite number of seconds."""
     if timeout is not None and not positive(timeout):
         raise ValueError(
             f"{where}: timeout must be None or a positive, finite number of seconds, got "
             f"{describe(timeout)}; pass e.g. timeout=60."
-        )
-    if not isinstance(overlap, bool):
-        raise TypeError(
-            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
         )
 
 

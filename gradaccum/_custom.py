@@ -12,7 +12,6 @@ sum over the group and its new state.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from . import _reduce, _tree
 from ._buckets import make_plan
-from ._comm import Comm, settle
+from ._comm import Comm, check_timeout, settle
 from ._errors import GradAccumError, describe, is_broken
 from ._window import Sync, Window, WindowSpec
 
@@ -98,7 +97,6 @@ class CustomWindow(Window):
     def __init__(self, sync: CustomReduce, spec: WindowSpec) -> None:
         super().__init__(spec)
         self.sync = sync
-        self.comm: Comm | None = None  # made at the boundary, where the group is first needed
 
     def finish(self, weight: Any, failed: bool = False) -> Any:
         """Sum the weight (and check the tree) over the group, take the share, apply ``fn``.
@@ -108,13 +106,12 @@ class CustomWindow(Window):
         function exactly when ``world * sum(h**2) == sum(h)**2`` (exact in float64).
         """
         sync, lay, where, reduction = self.sync, self.layout, self.where, self.spec.reduction
-        if sync.group is not None or (dist.is_available() and dist.is_initialized()):
-            self.comm = Comm(where, sync.group, sync.timeout, what=f"sync={sync.name}")
-        comm, group, world = self.comm, None, 1
-        if comm is None:  # one process without torch.distributed: nobody to talk to
-            total, agree = float(weight), True
-        else:
-            comm.where, group, world = where, comm.group, comm.world
+        group, world = None, 1
+        if sync.group is None and not (dist.is_available() and dist.is_initialized()):
+            total, agree = float(weight), True  # one process: nobody to talk to
+        else:  # the group is first needed here (not at open: add() runs without it)
+            comm = Comm(where, sync.group, sync.timeout, what=f"sync={sync.name}")
+            group, world = comm.group, comm.world
             h = float(sync._hash(self.spec))
             dev = lay.devices[0] if lay.devices else torch.device("cpu")
             tail = comm.exchange(dev, weight, failed, (h, h * h))
@@ -244,14 +241,6 @@ def custom_reduce(
             f"from zeros shaped like the gradients to the first state, e.g. "
             f"init=lambda grads: 0, or None to start from state None."
         )
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < math.inf  # refuses NaN and inf too
-    ):
-        raise ValueError(
-            f"{where}: timeout must be None or a positive, finite number of seconds, got "
-            f"{describe(timeout)}; pass e.g. timeout=60."
-        )
+    check_timeout(where, timeout)
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return CustomReduce(fn, init, group, None if timeout is None else float(timeout), name)

@@ -148,8 +148,7 @@ class ScatterWindow(Window):
         return self.full_params
 
     def add(self, grads: list[torch.Tensor], alpha: float) -> None:
-        """A whole micro-batch's gradients (from a step function returning them)."""
-        self.begin(1)
+        """A whole micro-batch's gradients (the caller checked ``begin`` first)."""
         with torch.no_grad():
             for i, g in enumerate(grads):
                 self.grad(i, g, alpha)
