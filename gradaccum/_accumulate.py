@@ -50,15 +50,10 @@ def accumulate(
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
             ``-> (grads, aux)`` with ``has_aux=True``: e.g. ``torch.func.grad(loss_fn)`` or
             ``torch.func.grad_and_value(loss_fn)``. ``grads`` must be shaped like the argument(s)
-            selected by ``argnums``. With [`gradaccum.grad`][gradaccum.grad] or
-            [`gradaccum.grad_and_value`][gradaccum.grad_and_value] (the same results, by
-            torch.autograd) each backward adds straight into the accumulator, no gradient tree is
-            made per micro-batch, and under a sync each bucket's all-reduce starts during the
-            last backward: the fast path. A function that ``torch.func.grad`` or
-            ``torch.func.grad_and_value`` returned is recognised and takes the same fast path
-            (its function, ``argnums`` and ``has_aux`` are read from it; the first-order
-            gradients are the same); one nested in other transforms, or wrapped, is called as
-            it is.
+            selected by ``argnums``. A [`gradaccum.grad`][gradaccum.grad] /
+            [`grad_and_value`][gradaccum.grad_and_value] function, or one that ``torch.func.grad``
+            / ``grad_and_value`` returned (not nested in other transforms, nor wrapped), takes the
+            fast path: each backward adds straight into the accumulator.
         n: The number of micro-batches to split each batch into. When ``n`` does not divide
             the batch, the first micro-batches get one row more (the result stays exact). A
             [`MicroBatches`][gradaccum.MicroBatches] batch is used as given, whatever ``n``.
@@ -92,10 +87,8 @@ def accumulate(
             gradients, the gradient dtype otherwise. Gradients are returned in the dtype of the
             parameters.
         sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] for data-parallel
-            training: after the last micro-batch (never inside the window; ``n=1`` included)
-            the window's sums and weight are reduced over the process group in one bucketed
-            collective, and the result is the gradient over the *global* batch, exact with
-            unequal rows or counts per rank. A rank's batch may then be shorter than ``n`` rows
+            training: the result is the gradient over the *global* batch, reduced at the
+            boundary (``n=1`` included). A rank's batch may then be shorter than ``n`` rows
             (one micro-batch per row), or empty (it joins with zero weight and its aux is
             ``None``). Aux outputs stay per rank. If ``step_fn`` raises on one rank, that rank
             still joins the boundary and re-raises, and every other rank raises
@@ -237,9 +230,7 @@ def accumulate(
                 has_aux=has_aux,
                 micro_transform=micro_transform,
             )
-        except Exception:
-            # Join the boundary flagged as failed, so the other ranks raise instead of hanging
-            # (with the previous window's layout when the failure came before this one's).
+        except Exception:  # join the boundary flagged as failed (see _engine.abort)
             if spec is None and prev is not None:
                 spec = WindowSpec(call, prev, reduction, n, False, kind.state, target)
             _engine.abort(win, kind, spec)

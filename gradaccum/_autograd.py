@@ -1,11 +1,4 @@
-"""``grad`` and ``grad_and_value`` on torch.autograd: torch.func's signatures, a faster engine.
-
-Called on their own they return what ``torch.func.grad`` / ``torch.func.grad_and_value`` return.
-Inside [`accumulate()`][gradaccum.accumulate] they are the fast path: each micro-batch's backward
-adds its gradients in place into the accumulator (the boundary buckets, under a sync) as autograd
-produces them, like a hand-written ``loss.backward()`` loop, and the boundary collective of a
-bucket starts as soon as the last micro-batch has produced that bucket's gradients.
-"""
+"""``grad`` and ``grad_and_value``: torch.func's signatures on torch.autograd, the fast path."""
 
 from __future__ import annotations
 
@@ -163,13 +156,9 @@ def grad(
 ) -> GradFn:
     """``torch.func.grad`` on torch.autograd: the gradient of a scalar function of pytrees.
 
-    Same signature and result as ``torch.func.grad`` (for first-order gradients), computed by
+    Same signature and result as ``torch.func.grad`` (first-order), computed by
     ``torch.autograd`` on leaves that share the params' storage (nothing is copied and no
-    ``.grad`` of yours is touched). Inside [`accumulate()`][gradaccum.accumulate] it is the fast
-    path: each micro-batch's gradients are added in place into the accumulator as backward
-    produces them, and under a sync the boundary all-reduce of each bucket starts during the
-    last micro-batch's backward. Use ``torch.func.grad`` instead to nest it under ``vmap``
-    (per-sample gradients) or other torch.func transforms, or for higher-order gradients.
+    ``.grad`` of yours is touched); inside [`accumulate()`][gradaccum.accumulate], the fast path.
 
     Args:
         fn: A function of the params (and more arguments) returning a scalar loss tensor, or
@@ -195,8 +184,7 @@ def grad(
         >>> gradaccum.grad(loss_fn)(params, torch.tensor([[1.0, 0.0]]))
         {'w': tensor([2., 0.])}
     """
-    _check_fn("grad", fn)
-    return GradFn(fn, _check_argnums("grad", argnums), _check_has_aux("grad", has_aux), False)
+    return _make("grad", fn, argnums, has_aux, False)
 
 
 def grad_and_value(
@@ -205,10 +193,8 @@ def grad_and_value(
     """``torch.func.grad_and_value`` on torch.autograd: the gradient and the loss.
 
     As [`grad()`][gradaccum.grad], returning ``(grads, loss)``, or ``(grads, (loss, aux))`` with
-    ``has_aux=True``, the loss and aux detached. This is the step function to hand to
-    [`accumulate()`][gradaccum.accumulate] with ``has_aux=True`` (its output is a pair) when
-    speed matters: on CPU it runs as fast as a hand-written ``loss.backward()`` loop, where
-    ``torch.func.grad_and_value`` is 10-30% slower.
+    ``has_aux=True``, the loss and aux detached. On CPU it runs as fast as a hand-written
+    ``loss.backward()`` loop, where ``torch.func.grad_and_value`` is 10-30% slower.
 
     Args:
         fn: A function of the params (and more arguments) returning a scalar loss tensor, or
@@ -239,13 +225,7 @@ def grad_and_value(
         >>> all(torch.allclose(grads[k], expected[k], atol=1e-6) for k in grads)
         True
     """
-    _check_fn("grad_and_value", fn)
-    return GradFn(
-        fn,
-        _check_argnums("grad_and_value", argnums),
-        _check_has_aux("grad_and_value", has_aux),
-        True,
-    )
+    return _make("grad_and_value", fn, argnums, has_aux, True)
 
 
 def _probe(x: Any) -> Any:
@@ -284,13 +264,14 @@ def from_torch_func(fn: object) -> GradFn | None:
     return GradFn(func, argnums, has_aux, with_value, origin="torch.func")
 
 
-def _check_fn(name: str, fn: object) -> None:
+def _make(name: str, fn: Any, argnums: object, has_aux: object, with_value: bool) -> GradFn:
     if not callable(fn):
         raise TypeError(
             f"gradaccum.{name}(fn): fn must be callable (a function returning a scalar loss), "
             f"got {describe(fn)}; pass the loss function itself, e.g. gradaccum.{name}(loss_fn) "
             f"with loss_fn(params, batch) -> loss."
         )
+    return GradFn(fn, _check_argnums(name, argnums), _check_has_aux(name, has_aux), with_value)
 
 
 def _check_argnums(name: str, argnums: object) -> int | tuple[int, ...]:

@@ -1,11 +1,8 @@
 """The window loop of ``accumulate``: micro-batches through the step function into a window.
 
-One loop, two ways in. A [`grad()`][gradaccum.grad] step function takes the fast path: each
-backward accumulates into the window's storage as autograd produces the gradients (``.grad`` is
-the running sum, or a view of it in the sync's buckets), hooks hand over what cannot accumulate
-in place, and during the last backward each leaf is marked ready (overlap). Any other step
-function returns a gradient tree, which is checked and added. The sync's behaviour is all in its
-[`Window`][gradaccum.sync.Window]; nothing here knows which sync it is.
+A [`grad()`][gradaccum.grad] step function takes the fast path (backward straight into the
+window's storage); any other returns a gradient tree, which is checked and added. Both are step 3
+of "One window's life" in ``docs/architecture.md``; nothing here knows which sync it is.
 """
 
 from __future__ import annotations
@@ -94,13 +91,9 @@ def _fast(
 ) -> None:
     """The window of a torch.autograd step function: backward straight into the window.
 
-    The differentiated arguments become autograd leaves sharing the params' storage. A leaf
-    whose accumulation dtype is its own dtype, and whose sum the window keeps, accumulates
-    natively: its first gradient is adopted by the window (kept, or copied into a bucket) and
-    becomes ``.grad``, into which the later backwards add in place, each seeded with the
-    micro-batch's weight, as a hand-written ``loss.backward()`` loop does. Any other leaf (a
-    wider accumulator, a gradient the window streams) goes through a hook that hands the
-    scaled gradient to the window and drops it.
+    A native leaf (its own dtype accumulates, the window keeps its sum) has the adopted first
+    gradient as ``.grad``, into which the later backwards add in place; any other goes through
+    ``window.grad`` (a hook).
     """
     window = win.window
     assert window is not None

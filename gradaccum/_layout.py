@@ -33,6 +33,10 @@ class Layout:
     accum_dtypes: tuple[torch.dtype, ...]
     devices: tuple[torch.device, ...]
 
+    def zeros(self, i: int) -> torch.Tensor:
+        """Zeros for leaf ``i``'s running sum: its shape, accumulation dtype and device."""
+        return torch.zeros(self.shapes[i], dtype=self.accum_dtypes[i], device=self.devices[i])
+
 
 def check_n(where: str, n: object) -> int:
     """Validate a number of micro-batches."""

@@ -1,20 +1,9 @@
 """The sync protocol: how a window's gradients are kept, and combined across processes.
 
 A sync ([`Sync`][gradaccum.sync.Sync]) opens one [`Window`][gradaccum.sync.Window] per
-accumulation window. The core (``accumulate``, ``Accumulator``) drives the window through its
-life and never looks at which sync it is:
-
-1. ``prepare`` (fast path) or the first ``add``: the running sums get their storage;
-2. per micro-batch: ``params`` before the forward; then either ``add`` (a whole gradient tree,
-   from a step function that returns one) or, on the fast path, autograd hooks calling
-   ``adopt`` (a leaf's first gradient becomes, or is copied into, its running sum) and ``grad``
-   (a gradient handed over and dropped); ``last`` before the window's last backward, during
-   which ``ready`` marks each leaf whose sum is final (overlap); ``step`` after each micro-batch;
-3. ``finish`` at the boundary (or ``abort`` after an error): the window's gradient.
-
-This base class is the window of one process: plain running sums, divided by the local weight.
-A sync overrides what it needs (where the sums live, what happens when a leaf is ready, the
-boundary); everything else is inherited.
+accumulation window; the core drives it through its hooks (``docs/architecture.md`` lists who
+calls each one, and when) and never looks at which sync it is. The base ``Window`` is the window
+of one process; a sync overrides what it needs.
 """
 
 from __future__ import annotations
@@ -116,11 +105,7 @@ class Window:
         """
         if not zero:
             return None
-        lay = self.layout
-        return [
-            torch.zeros(s, dtype=d, device=v)
-            for s, d, v in zip(lay.shapes, lay.accum_dtypes, lay.devices)
-        ]
+        return [self.layout.zeros(i) for i in range(len(self.layout.shapes))]
 
     def prepare(self, zero: bool) -> None:
         """Before the fast path's first backward: allocate the storage (zeroed if ``zero``)."""
@@ -132,10 +117,7 @@ class Window:
         self.sums = sums
 
     def tree(self, like: Any = None) -> Any:
-        """The running sums as a tree (``AccumState.sums``), or ``None`` before any.
-
-        ``like``: a tree of the same structure (under torch.compile, its spec is the one to use).
-        """
+        """The running sums as a tree (with ``like``'s structure, if given), or None before any."""
         if self.sums is None:
             return None
         spec = self.layout.spec if like is None else spec_of(self.layout, like)
@@ -173,16 +155,7 @@ class Window:
             self.sums = [None] * len(self.layout.shapes)  # type: ignore[list-item]
         s: torch.Tensor | None = self.sums[i]
         if s is None:
-            s = (
-                g
-                if g is not None
-                else torch.zeros(
-                    self.layout.shapes[i],
-                    dtype=self.layout.accum_dtypes[i],
-                    device=self.layout.devices[i],
-                )
-            )
-            self.sums[i] = s
+            s = self.sums[i] = g if g is not None else self.layout.zeros(i)
         elif g is None:
             s.zero_()
         else:
