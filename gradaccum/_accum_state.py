@@ -33,11 +33,8 @@ class AccumState(NamedTuple, Generic[T]):
         reduce_state: The state of a [`custom_reduce()`][gradaccum.custom_reduce] sync between
             windows (e.g. error-feedback buffers), ``None`` for other syncs; it is saved by
             [`state_dict()`][gradaccum.Accumulator.state_dict].
-        ticket: Internal: marks which state of a window is the current one. The running sums are
-            updated in place, so once a state holding sums has been passed to ``add``,
-            ``finalize`` or ``abort``, only the state returned may be used; ``add``, ``finalize``
-            and ``state_dict`` refuse the consumed one (it would change gradients already
-            returned). ``None`` while the window holds no sums: such a state may be reused.
+        ticket: Internal: marks which state of a window is the current one, so that a consumed
+            state is refused (see [`Accumulator`][gradaccum.Accumulator]); ``None`` without sums.
 
     Examples:
         >>> import torch, gradaccum

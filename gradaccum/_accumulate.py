@@ -146,7 +146,6 @@ def accumulate(
     check_n(where, n)
     reduction = _reduce.check_reduction(where, reduction)
     check_accum_dtype(where, accum_dtype)
-    # A gradaccum.grad function, or a torch.func.grad one (the same gradients): the fast path.
     grad_fn = step_fn if isinstance(step_fn, GradFn) else from_torch_func(step_fn)
     if has_aux is None:  # a grad_and_value (or has_aux) step function returns a pair
         has_aux = grad_fn.returns_aux if grad_fn is not None else False

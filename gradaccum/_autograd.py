@@ -85,12 +85,7 @@ class GradFn:
     def alias(
         self, where: str, args: Sequence[Any]
     ) -> tuple[list[Any], list[torch.Tensor], _tree.PyTreeSpec]:
-        """Replace the differentiated arguments by fresh autograd leaves sharing their storage.
-
-        The leaves are not validated here: accumulate has checked them (``make_layout``).
-        Returns the new positional arguments, the leaves in flat order, and the spec of the
-        differentiated argument (a tuple of trees when ``argnums`` is a tuple).
-        """
+        """The args with fresh autograd leaves (sharing storage), the leaves, the target's spec."""
         target = self._target(where, args)
         flat, spec = _tree.flatten(target)
         leaves = [leaf.detach().requires_grad_(True) for leaf in flat]
@@ -106,11 +101,7 @@ class GradFn:
     def forward(
         self, where: str, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, Any]:
-        """Run ``fn`` with gradients on; return the (attached) loss and the detached aux output.
-
-        The aux output is what the torch.func function returns beside the gradients: the value,
-        ``(value, aux)``, ``aux`` or None.
-        """
+        """Run ``fn`` with grad on: the attached loss, and the detached output beside the grads."""
         with torch.enable_grad():
             out = self.fn(*args, **kwargs)
         if self.has_aux:
@@ -240,13 +231,7 @@ _TORCH_FUNC = {
 
 
 def from_torch_func(fn: object) -> GradFn | None:
-    """The fast-path twin of a ``torch.func.grad`` / ``grad_and_value`` function, or None.
-
-    A function that ``torch.func.grad(f, argnums, has_aux)`` returned (at the top level, as
-    ``accumulate`` gets it) computes the same first-order gradients as ``grad(f, argnums,
-    has_aux)``, which runs on torch.autograd. Anything else, or arguments torch.func would refuse
-    when called, gives None: the step function is then called as it is.
-    """
+    """The ``grad()`` twin of what ``torch.func.grad``/``grad_and_value`` returned, or None."""
     code = getattr(fn, "__code__", None)
     with_value = _TORCH_FUNC.get(code) if code is not None else None
     closure = getattr(fn, "__closure__", None)

@@ -202,8 +202,7 @@ def _fast(
 def abort(win: Progress, sync: Sync, spec: WindowSpec | None) -> None:
     """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
 
-    Without an open window, one is opened for ``spec`` (the window's layout, or the last one
-    seen when the failure came before it was known; ``None``: nothing to join). Errors while
+    Without an open window, one is opened for ``spec`` (``None``: nothing to join). Errors while
     joining are dropped: the caller re-raises its own.
     """
     try:

@@ -1,9 +1,4 @@
-"""The gradient layout: key paths, shapes and dtypes of a params tree, and checks against it.
-
-A leaf module: what every other module agrees on about one window's gradients (its tree, its
-accumulation dtypes), each micro-batch's weight, and the validation of a gradient tree against
-the layout (with messages that name the key path).
-"""
+"""The gradient layout (key paths, shapes, dtypes of a params tree), micro-batch weights, checks."""
 
 from __future__ import annotations
 
@@ -38,7 +33,7 @@ class Layout:
         return torch.zeros(self.shapes[i], dtype=self.accum_dtypes[i], device=self.devices[i])
 
 
-def check_n(where: str, n: object) -> int:
+def check_n(where: str, n: object) -> None:
     """Validate a number of micro-batches."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
@@ -50,7 +45,6 @@ def check_n(where: str, n: object) -> int:
             f"{where}: n must be a positive int (the number of micro-batches), got {n}; pass "
             f"n >= 1 (n=1 computes the whole batch in one micro-batch)."
         )
-    return n
 
 
 def check_accum_dtype(where: str, dtype: object) -> None:
@@ -157,8 +151,7 @@ def check_grads(where: str, lay: Layout, grads: Any) -> list[torch.Tensor]:
         return _check_traced(where, lay, grads)
     leaves, spec = _tree.flatten(grads)
     if spec == lay.spec:
-        # Fast path: one tuple comparison for the shapes, one pass for floating dtypes; the
-        # slow path below runs only to name the offending leaf.
+        # Fast path; the slow path below runs only to name the offending leaf.
         try:
             if tuple(g.shape for g in leaves) == lay.shapes and all(
                 g.is_floating_point() for g in leaves
@@ -209,11 +202,9 @@ def check_grads(where: str, lay: Layout, grads: Any) -> list[torch.Tensor]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-# Under torch.compile, Dynamo runs optree's Python polyfill, whose PyTreeSpec cannot be compared
-# with (or unflatten like) the layout's optree PyTreeSpec, made by init outside the compiled
-# region: the traced check matches key paths instead (folded away at trace time), and a bad tree
-# is reported by the eager check, out of the graph (under fullgraph=True, Dynamo's error for the
-# graph break carries this reason, where the torch has reason=).
+# Under torch.compile, optree's polyfill PyTreeSpec cannot be compared with the layout's: the
+# traced check matches key paths (folded at trace time); a bad tree goes to the eager check, out
+# of the graph (under fullgraph=True, Dynamo's error carries this reason, where torch has reason=).
 _MISMATCH = (
     "gradaccum: the gradients do not match the params tree (key paths, shapes or floating "
     "dtypes); run the step without fullgraph=True, or eagerly, for the error naming the leaf"

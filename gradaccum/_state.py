@@ -1,9 +1,4 @@
-"""Streaming accumulation: pure functions over an accumulator-state pytree.
-
-For loops that are fed one micro-batch at a time (a DataLoader of micro-batches), in the manner of
-optax's ``MultiSteps``: the micro-step counter and the running sums live in the state, so a
-checkpoint taken mid-window resumes exactly.
-"""
+"""``Accumulator``: streaming accumulation (optax ``MultiSteps``-style) over an ``AccumState``."""
 
 from __future__ import annotations
 
@@ -54,9 +49,7 @@ class Accumulator:
             [`finalize()`][gradaccum.Accumulator.finalize] in the parameters' dtype.
         sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] to synchronise
             over a process group in [`finalize()`][gradaccum.Accumulator.finalize], the only
-            place that communicates. The result is then the gradient over every rank's
-            micro-batches, and a rank whose window is empty may still call ``finalize``
-            (it contributes zero weight). Or [`reduce_scatter()`][gradaccum.reduce_scatter]
+            place that communicates. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
             for sharded params: ``finalize`` then returns this rank's gradient shards, and
             under its ``every`` policy ``add`` reduce-scatters each micro-batch (every rank
             must then call ``add`` at most ``n`` times per window). Or a
@@ -95,8 +88,6 @@ class Accumulator:
         _reduce.check_reduction(where, self.reduction)
         check_accum_dtype(where, self.accum_dtype)
         check_sync(where, self.sync)
-
-    # -- the window ---------------------------------------------------------------------------
 
     def init(self, params: T) -> AccumState[T]:
         """An empty window for gradients shaped like ``params`` (nothing is allocated yet).
@@ -185,11 +176,8 @@ class Accumulator:
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
         """Close the window: return its gradients and a fresh state for the next window.
 
-        This is the accumulation boundary. The gradients are in the parameters' dtypes and
-        equal the whole-window gradient under the configured reduction. With ``sync=``, this is
-        where the window's sums and weight are reduced over the process group (every rank must
-        call it, an empty window included), and the result is the gradient over all ranks'
-        micro-batches.
+        The accumulation boundary: with ``sync=``, every rank must call it (an empty window
+        included), and the result is the gradient over all ranks' micro-batches.
 
         Raises:
             ValueError: The window holds no micro-batch (without ``sync``), or its counts (or,
@@ -237,8 +225,6 @@ class Accumulator:
             pass
         new = AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
         return pass_on(state, new, "abort()")
-
-    # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self, state: AccumState[T]) -> dict[str, Any]:
         """The state as a dict of tensors, numbers and strings.
