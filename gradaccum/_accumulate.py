@@ -40,11 +40,11 @@ def accumulate(
 ) -> Callable[P, R]:
     """Turn a gradient function into one that accumulates over ``n`` micro-batches.
 
-    The returned function has the signature of ``step_fn``. It splits the batch argument along
-    dim 0 into ``n`` micro-batches, calls ``step_fn`` on each, adds the gradients into a
-    float32 (or wider) accumulator allocated once, and returns the window's gradient. Under the
-    default ``mean`` reduction this equals ``step_fn`` on the whole batch (within float
-    tolerance), whatever the micro-batch sizes, while peak memory is that of one micro-batch.
+    It splits the batch argument along dim 0 into ``n`` micro-batches, calls ``step_fn`` on each,
+    adds the gradients into a float32 (or wider) accumulator allocated once, and returns the
+    window's gradient. Under the default ``mean`` reduction this equals ``step_fn`` on the whole
+    batch (within float tolerance), whatever the micro-batch sizes, while peak memory is that of
+    one micro-batch.
 
     Args:
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
@@ -58,10 +58,8 @@ def accumulate(
             the batch, the first micro-batches get one row more (the result stays exact). A
             [`MicroBatches`][gradaccum.MicroBatches] batch is used as given, whatever ``n``.
         has_aux: ``step_fn`` returns ``(grads, aux)``; the accumulated function then returns
-            ``(grads, aux)`` with aux combined per ``aux_reduction``. Default: inferred for a
-            [`grad()`][gradaccum.grad] / [`grad_and_value()`][gradaccum.grad_and_value] step
-            function, or a ``torch.func`` one (each says what it returns), ``False`` for any
-            other.
+            ``(grads, aux)`` with aux combined per ``aux_reduction``. Default: what a ``grad()``
+            / ``grad_and_value()`` step function (gradaccum's or torch.func's) returns, else False.
         reduction: ``"mean"``: ``step_fn`` returns the gradient of a mean loss; micro-batches are
             weighted by their rows, giving the gradient of the mean over the whole batch.
             ``"sum"``: gradients are added. ``"count"``: ``step_fn`` returns the gradient of a
@@ -96,16 +94,13 @@ def accumulate(
             [`reduce_scatter()`][gradaccum.reduce_scatter] for sharded params: the function
             then takes the [`Sharded`][gradaccum.sync.Sharded] (or its gathered params) as its
             params and returns this rank's gradient shards, a tuple aligned with
-            ``sharded.shards``. Or a [`custom_reduce()`][gradaccum.custom_reduce] (your own
-            boundary reduction, or a built-in one such as
-            [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]); it keeps
-            its state between calls in [`CustomReduce.state`][gradaccum.sync.CustomReduce.state].
+            ``sharded.shards``. Or a [`custom_reduce()`][gradaccum.custom_reduce] (yours, or e.g.
+            [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]), whose state
+            between calls is [`CustomReduce.state`][gradaccum.sync.CustomReduce.state].
         micro_transform: A function applied to each micro-batch's gradients (the tree
             ``step_fn`` returns) before they are added, e.g. per-sample clipping of
             ``vmap``-ed per-sample gradients followed by their sum; it must return gradients
-            shaped like the params. With it, a [`grad()`][gradaccum.grad] step function is
-            called like any other (no fast path), since each micro-batch's gradient tree is
-            needed.
+            shaped like the params. It turns the fast path off (it needs each gradient tree).
 
     Returns:
         A function with the signature of ``step_fn`` returning the accumulated ``grads``, or

@@ -62,11 +62,9 @@ class GradFn:
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:
-            grads = list(
-                torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
-            )
+            grads = torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
         else:  # the output does not depend on the params: their gradient is zero
-            grads = [torch.zeros_like(leaf) for leaf in leaves]
+            grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
         tree = _tree.unflatten(spec, grads)
         return (tree, aux) if self.returns_aux else tree
 
@@ -188,8 +186,7 @@ def grad_and_value(
     ``loss.backward()`` loop, where ``torch.func.grad_and_value`` is 10-30% slower.
 
     Args:
-        fn: A function of the params (and more arguments) returning a scalar loss tensor, or
-            ``(loss, aux)`` with ``has_aux=True``.
+        fn: As in [`grad()`][gradaccum.grad].
         argnums: The positional argument(s) to differentiate with respect to.
         has_aux: ``fn`` returns ``(loss, aux)``.
 
@@ -198,8 +195,7 @@ def grad_and_value(
         ``(grads, (loss, aux))``.
 
     Raises:
-        TypeError: (when called) ``fn`` does not return a scalar floating tensor, or a params
-            leaf is not a floating tensor.
+        TypeError: As in [`grad()`][gradaccum.grad].
 
     Examples:
         >>> import torch, gradaccum
@@ -219,14 +215,10 @@ def grad_and_value(
     return _make("grad_and_value", fn, argnums, has_aux, True)
 
 
-def _probe(x: Any) -> Any:
-    return x
-
-
 # The code objects of the functions torch.func.grad / grad_and_value return, to recognise them.
 _TORCH_FUNC = {
-    torch.func.grad(_probe).__code__: False,
-    torch.func.grad_and_value(_probe).__code__: True,
+    torch.func.grad(lambda x: x).__code__: False,
+    torch.func.grad_and_value(lambda x: x).__code__: True,
 }
 
 

@@ -23,9 +23,7 @@ class Accumulator:
     """Streaming gradient accumulation over a window of ``n`` micro-batches.
 
     The configuration is held here; the window lives in an
-    [`AccumState`][gradaccum.streaming.AccumState] that the methods take and return
-    (optax-style). Use it when micro-batches come one at a time, for example from a DataLoader of
-    micro-batches; [`accumulate()`][gradaccum.accumulate] uses it for whole batches.
+    [`AccumState`][gradaccum.streaming.AccumState] that the methods take and return (optax-style).
 
     The result of [`finalize()`][gradaccum.Accumulator.finalize] equals the gradient over all the
     window's rows (``mean``), their plain sum (``sum``) or the gradient of the summed loss divided
