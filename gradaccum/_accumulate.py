@@ -1,7 +1,4 @@
-"""``accumulate``: the micro-batch loop as a higher-order transform.
-
-split -> step_fn on each micro-batch -> add into the accumulator -> boundary (finalize).
-"""
+"""``accumulate``, a transform: split -> step_fn per micro-batch -> add -> boundary."""
 
 from __future__ import annotations
 
@@ -249,15 +246,12 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
             f"{describe(batch_argnum)}; pass the position of the batch among step_fn's "
             f"positional arguments, e.g. batch_argnum=1 for step_fn(params, batch)."
         )
-    if isinstance(argnums, int) and not isinstance(argnums, bool):
-        nums: tuple[int, ...] = (argnums,)
-    elif (
-        isinstance(argnums, tuple)
-        and argnums
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in argnums)
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if (
+        not isinstance(nums, tuple)
+        or not nums
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in nums)
     ):
-        nums = argnums
-    else:
         raise TypeError(
             f"{where}: argnums must be an int or a non-empty tuple of ints, as in "
             f"torch.func.grad, got {describe(argnums)}; pass e.g. argnums=0, or argnums=(0, 2) "

@@ -129,9 +129,8 @@ def _fast(
             functools.partial(fn, i)
         )
 
-    # One process, mean: seed each backward with rows / total rows (as a hand-written loop
-    # scales its loss), so the sums are the mean already and the boundary divides by 1. Not in
-    # float16/bfloat16, where it would round otherwise than the synced path (scale, then divide).
+    # Window.prescale (one process, mean): seed each backward with rows / total rows, so the sums
+    # are the mean already. Not in float16/bfloat16, which would round otherwise than a sync.
     wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
     prescale = sum(r for _, r in micro) if window.prescale and wide and reduction == "mean" else 0
     last, params = len(micro) - 1, None
@@ -169,11 +168,9 @@ def _fast(
                 seed = None
                 if direct:
                     key = (scale, value.dtype, value.device)
-                    seed = seeds.get(key)
-                    if seed is None:
-                        seed = seeds[key] = torch.full(
-                            (), scale, dtype=value.dtype, device=value.device
-                        )
+                    if key not in seeds:
+                        seeds[key] = torch.full((), scale, dtype=value.dtype, device=value.device)
+                    seed = seeds[key]
                 else:
                     alpha_now[0] = scale
                 torch.autograd.backward(value, seed, inputs=leaves)

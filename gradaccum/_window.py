@@ -256,10 +256,7 @@ class Sync:
     def layout(
         self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0
     ) -> Layout:
-        """The layout of the gradients with respect to ``params``, as the caller gave them.
-
-        ``params`` is the argument at ``argnums`` (a tuple of trees for a tuple of argnums).
-        """
+        """The gradients' layout for ``params``: the argument(s) at ``argnums``, as given."""
         return make_layout(where, params, accum_dtype)
 
     @property
