@@ -16,12 +16,7 @@ __all__ = ["GradFn", "from_torch_func", "grad", "grad_and_value"]
 
 
 class GradFn:
-    """A gradient function made by [`grad()`][gradaccum.grad] or ``grad_and_value()``.
-
-    Call it like the torch.func function of the same name. [`accumulate()`][gradaccum.accumulate]
-    recognises it and accumulates its gradients in place, without materialising each
-    micro-batch's gradient tree.
-    """
+    """What [`grad()`][gradaccum.grad] / ``grad_and_value()`` return: call it like torch.func's."""
 
     def __init__(
         self,
@@ -89,11 +84,9 @@ class GradFn:
         leaves = [leaf.detach().requires_grad_(True) for leaf in flat]
         aliased = _tree.unflatten(spec, leaves)
         new_args = list(args)
-        if isinstance(self.argnums, int):
-            new_args[self.argnums] = aliased
-        else:
-            for j, i in enumerate(self._positions):
-                new_args[i] = aliased[j]
+        parts = (aliased,) if isinstance(self.argnums, int) else aliased
+        for i, part in zip(self._positions, parts):
+            new_args[i] = part
         return new_args, leaves, spec
 
     def forward(
@@ -132,11 +125,10 @@ class GradFn:
                 f"{where}: the loss has dtype {dtype_name(value.dtype)}; it must be a floating "
                 f"tensor to be differentiated."
             )
-        detached = value.detach()
         if self.has_aux:
             aux = _tree.map_(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         if self.with_value:
-            return value, ((detached, aux) if self.has_aux else detached)
+            return value, ((value.detach(), aux) if self.has_aux else value.detach())
         return value, aux
 
 

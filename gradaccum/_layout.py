@@ -141,8 +141,7 @@ def weigh(
     """One micro-batch's ``(raw count, checked count, alpha, weight)`` in ``accumulate``."""
     raw = count(aux) if count is not None else None
     items = _reduce.check_count(call, raw) if count is not None else None
-    alpha, weight = micro_weight(call, reduction, rows, items)
-    return raw, items, alpha, weight
+    return raw, items, *micro_weight(call, reduction, rows, items)
 
 
 def check_grads(where: str, lay: Layout, grads: Any) -> list[torch.Tensor]:
