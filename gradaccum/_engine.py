@@ -7,6 +7,7 @@ of "One window's life" in ``docs/architecture.md``; nothing here knows which syn
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -202,14 +203,12 @@ def abort(win: Progress, sync: Sync, spec: WindowSpec | None) -> None:
     Without an open window, one is opened for ``spec`` (``None``: nothing to join). Errors while
     joining are dropped: the caller re-raises its own.
     """
-    try:
+    with contextlib.suppress(Exception):
         window = win.window
         if window is None and spec is not None and not win.opening:
             window = sync.open(spec)
         if window is not None:
             window.abort(win.state.weight if win.state is not None else 0)
-    except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
-        pass
 
 
 def _count(win: Progress, weight: _reduce.Weight) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -217,10 +218,8 @@ class Accumulator:
         """
         where = f"{self._where}.abort(state)"
         check_state(where, state)
-        try:
+        with contextlib.suppress(Exception):  # the caller's error is the one to report
             self._window(where, state, self.window_size(state)).abort(state.weight)
-        except Exception:  # noqa: BLE001, S110 - the caller's error is the one to report
-            pass
         new = AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
         return pass_on(state, new, "abort()")
 
