@@ -218,8 +218,7 @@ class Sync:
     """A way to combine each window's gradients across processes: the extension point.
 
     The core calls [`open()`][gradaccum.sync.Sync.open] once per window and drives the
-    [`Window`][gradaccum.sync.Window] it returns; a new sync is one subclass of each, in one
-    module, with no change to gradaccum. The built-in ones are
+    [`Window`][gradaccum.sync.Window] it returns. The built-in ones are
     [`AllReduce`][gradaccum.sync.AllReduce], [`ReduceScatter`][gradaccum.sync.ReduceScatter] and
     [`CustomReduce`][gradaccum.sync.CustomReduce]; ``sync=None`` is [`Local`][gradaccum.sync.Local].
 
