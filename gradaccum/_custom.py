@@ -1,12 +1,7 @@
 """Custom boundary reductions: the user's function decides how gradients cross the group.
 
-At the boundary gradaccum first sums the window's weight and failure flag over the group (one
-32-byte ``all_reduce``, which also checks that the ranks agree on the gradient tree), so that
-every rank knows the global rows or counts and whether another
-rank failed. Then it divides this rank's running sums by the global weight, which makes them
-this rank's *share*: the shares of all ranks add up to the exact window gradient. The reduction
-function gets the shares, the process group and its state, and returns the (exact or estimated)
-sum over the group and its new state.
+The boundary protocol (the weight exchange, the shares, ``fn``) is described in
+[`custom_reduce()`][gradaccum.custom_reduce].
 """
 
 from __future__ import annotations
@@ -164,19 +159,14 @@ class CustomWindow(Window):
 
 
 def custom_reduce(
-    fn: ReduceFn,
-    *,
-    init: InitFn | None = None,
-    group: Any = None,
-    timeout: float | None = None,
+    fn: ReduceFn, *, init: InitFn | None = None, group: Any = None, timeout: float | None = None
 ) -> CustomReduce:
     """A boundary reduction written by you: how the window's gradients cross the group.
 
     Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
     [`Accumulator`][gradaccum.Accumulator]. At the boundary gradaccum sums the window's weight
     (rows or counts), a failure flag and a hash of the gradient tree over the group in one
-    32-byte ``all_reduce``, divides
-    this rank's running sums by the global weight, and calls
+    32-byte ``all_reduce``, divides this rank's running sums by the global weight, and calls
 
     ``fn(grads, state, group) -> (summed_grads, new_state)``
 

@@ -1,19 +1,10 @@
 """The sharded boundary: gradients reduce-scattered into each rank's shard.
 
-Two policies, per parameter group:
-
-- ``boundary``: full gradients accumulate locally in flat (padded) buckets; one
-  ``reduce_scatter`` per bucket per window, into the rank's slice of the gradient shard.
-- ``every``: each micro-batch's gradients are reduce-scattered bucket by bucket (during its
-  backward, on the fast path) and added into the gradient shard; no full gradient outlives its
-  bucket.
-
-Both end with one ``all_reduce`` of ``[weight, failed]`` (two float64 numbers). The sequence of
-collectives of a window is the same on every rank whatever happens on it: [fingerprint], then
-[params all-gather, once], then ``n`` micro-steps of [params all-gathers, with
-``gather="micro_batch"``; ``every`` buckets in plan order], then the ``boundary`` buckets in
-plan order, then the weight. A rank with fewer micro-batches, or one that failed, completes the
-sequence with zeros.
+Two policies, per parameter group: ``boundary`` accumulates full gradients locally in flat
+(padded) buckets and reduce-scatters each once per window; ``every`` reduce-scatters each
+micro-batch's buckets (during its backward, on the fast path) into the gradient shard. Both end
+with one ``all_reduce`` of ``[weight, failed]``; `_scatter_window` keeps the window's sequence of
+collectives the same on every rank.
 """
 
 from __future__ import annotations
@@ -93,8 +84,6 @@ class ReduceScatter(Sync):
             out.append(Bucket(dt, b.device, paths, b.padded, b.padded * dt.itemsize, False))
         return tuple(out)
 
-    # -- used by accumulate and Accumulator ---------------------------------------------------
-
     # -- the Sync protocol ----------------------------------------------------------------------
 
     def layout(
@@ -169,8 +158,7 @@ class ReduceScatter(Sync):
         check_progress(where, reduction, sd, n, sd.get("full") is not None)
         if sd["steps"] > n:
             raise GradAccumError(
-                f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps; pass "
-                f"the dict that Accumulator.state_dict() returned on this rank."
+                f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps{fix}"
             )
         if isinstance(weight, torch.Tensor):
             weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
@@ -185,12 +173,10 @@ class ReduceScatter(Sync):
             ):
                 raise GradAccumError(
                     f"{where}: saved buffer {k} is {describe(t)}, expected "
-                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}; pass the "
-                    f"dict that Accumulator.state_dict() returned on this rank."
+                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}{fix}"
                 )
-        with torch.no_grad():
-            for t, f in zip(saved, window.full + window.out):  # type: ignore[operator]
-                if f is not None:
+            if f is not None:  # a fresh window: an error above leaves nothing half-loaded
+                with torch.no_grad():
                     f.copy_(t)
         window.steps = sd["steps"]
         return type(state)(window, weight, sd["micro_step"], sd["window"], lay)

@@ -10,6 +10,7 @@ sequence with zeros in ``finish``.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from ._window import Window, WindowSpec
 
 __all__ = ["MAX_IN_FLIGHT", "ScatterWindow"]
 
+_FIXED = attrgetter("spec", "paths", "shapes", "dtypes", "devices")  # what a Sharded fixes
 MAX_IN_FLIGHT = 2  # buckets on the wire at once: bounds the memory of (backend copies of) inputs
 
 
@@ -32,17 +34,10 @@ class ScatterWindow(Window):
         """``sync`` is the ReduceScatter (its sharded params, policies, gather and options)."""
         super().__init__(spec)
         lay, where, sp = spec.layout, spec.where, sync.sharded
-        mine = sp.layout
-        if (lay.spec, lay.paths, lay.shapes, lay.dtypes, lay.devices) != (
-            mine.spec,
-            mine.paths,
-            mine.shapes,
-            mine.dtypes,
-            mine.devices,
-        ):
+        if _FIXED(lay) != _FIXED(sp.layout):
             raise ValueError(
                 f"{where}: the gradients are for params that differ from the sharded ones "
-                f"({_first_diff(lay, mine)}); pass the Sharded object (or what its gather() "
+                f"({_first_diff(lay, sp.layout)}); pass the Sharded object (or what its gather() "
                 f"returned) as the params of the step function."
             )
         plan = self.plan = sp.plan

@@ -14,7 +14,6 @@ concatenation of its chunks of that group's buckets, so that
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from . import _tree
 from ._checkpoint import check_like, check_meta
-from ._comm import Comm, bucket_what
+from ._comm import Comm, bucket_what, positive
 from ._errors import GradAccumError, describe
 from ._layout import make_layout
 from ._shard_plan import ShardPlan, make_shard_plan
@@ -297,11 +296,7 @@ def shard(
         ```
     """
     where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
-    if (
-        isinstance(bucket_mb, bool)
-        or not isinstance(bucket_mb, (int, float))
-        or not 0 < bucket_mb < math.inf
-    ):
+    if not positive(bucket_mb):
         raise ValueError(
             f"{where}: bucket_mb must be a positive, finite number of MiB, got "
             f"{describe(bucket_mb)}; pass e.g. bucket_mb=25."

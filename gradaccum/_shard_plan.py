@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._buckets import Bucket, Plan, cut_runs, leaf_order
+from ._buckets import Bucket, Plan, cut_runs, leaf_order, starts
 from ._errors import dtype_name
 
 __all__ = ["ShardBucket", "ShardPlan", "make_shard_plan", "wire_plan"]
@@ -64,10 +64,8 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
         start = 0
         nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
         for run in cut_runs(idx, nbytes, cap):
-            offs, off = [], 0
+            *offs, off = starts(lay, run)
             for i in run:
-                offs.append(off)
-                off += lay.shapes[i].numel()
                 bucket_of_leaf[i] = len(buckets)
             padded = -(-off // world) * world
             chunk = padded // world
