@@ -93,8 +93,7 @@ class BucketWindow(Window):
         self.sync, self.plan = sync, sync._plan(spec.layout)
         self.overlap = sync.overlap
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
-        self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k]
-        self.order.append(self.tail_k)
+        self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.opened = False
         self.bufs: list[torch.Tensor | None] = []
@@ -104,11 +103,8 @@ class BucketWindow(Window):
         """Views into fresh flat buckets (zeroed, or uninitialised)."""
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        for b, members, offsets, numel in zip(
-            plan.buckets, plan.members, plan.offsets, plan.grad_numel
-        ):
-            size = numel + (TAIL if b.tail else 0)
-            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
+        for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
+            buf = (torch.zeros if zero else torch.empty)(b.numel, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
@@ -128,10 +124,8 @@ class BucketWindow(Window):
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, numel, b)
-            for b, members, offsets, numel in zip(
-                plan.buckets, plan.members, plan.offsets, plan.grad_numel
-            )
+            bucket_of([sums[i] for i in members], offsets, b)
+            for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
         ]
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
@@ -153,11 +147,8 @@ class BucketWindow(Window):
             self.comm.agree(probe)
         buf = self.bufs[k]
         assert buf is not None
-        self.works.append(
-            self.comm.all_reduce(
-                buf, bucket_what("boundary all_reduce", self.plan.buckets, k), "gradients"
-            )
-        )
+        what = bucket_what("boundary all_reduce", self.plan.buckets, k)
+        self.works.append(self.comm.all_reduce(buf, what, "gradients"))
 
     def finish(self, weight: Any, failed: bool = False) -> Any:
         """Launch what is left (the weight and failure flag in the tail), wait, normalise."""
@@ -166,32 +157,23 @@ class BucketWindow(Window):
         plan, sums, packed = self.plan, self.sums, []
         assert sums is not None
         with torch.no_grad():
-            for k, (b, members, offsets, numel) in enumerate(
-                zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
-            ):
+            for k, b in enumerate(plan.buckets):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = torch.empty(
-                        numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device
-                    )
-                    for i, off in zip(members, offsets):
+                    buf = self.bufs[k] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                    for i, off in zip(plan.members[k], plan.offsets[k]):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
-                    self.bufs[k] = buf
-                    packed.append(k)
+                    packed.append((k, buf))
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
-            tail = tail_buf[plan.grad_numel[self.tail_k] :]
+            tail = tail_buf[-TAIL:]
             fill_tail(tail, weight, failed)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
-            for j, work in enumerate(self.works):
-                self.comm.wait(
-                    work, bucket_what("boundary all_reduce", self.plan.buckets, self.order[j])
-                )
-            for k in packed:
-                packed_buf = self.bufs[k]
-                assert packed_buf is not None
+            for k, work in zip(self.order, self.works):
+                self.comm.wait(work, bucket_what("boundary all_reduce", plan.buckets, k))
+            for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
-                    sums[i].copy_(packed_buf[off : off + sums[i].numel()].view_as(sums[i]))
+                    sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
             total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
         return self.normalised(total)
 

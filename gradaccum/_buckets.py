@@ -59,7 +59,6 @@ class Plan:
     buckets: tuple[Bucket, ...]
     members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
     offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
-    grad_numel: tuple[int, ...]  # elements per bucket before the tail
     description: tuple[str, ...]  # what the fingerprint covers, one line per item
 
 
@@ -112,7 +111,7 @@ def make_plan(lay: Any, cap: int) -> Plan:
     else:  # only float16/bfloat16 accumulators: a tiny float32 bucket of its own
         cut.append((cut[-1][0], torch.float32, []))
         tail_k = len(cut) - 1
-    buckets, members, offsets, numels = [], [], [], []
+    buckets, members, offsets = [], [], []
     desc = [
         f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} accumulated in {dtype_name(adt)}"
         for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
@@ -125,16 +124,15 @@ def make_plan(lay: Any, cap: int) -> Plan:
         buckets.append(Bucket(dt, dev, paths, total, total * dt.itemsize, k == tail_k))
         members.append(tuple(idx))
         offsets.append(tuple(offs))
-        numels.append(off)
         desc.append(
             f"bucket {k} of {total} {dtype_name(dt)} elements"
             f"{' with the weight' if k == tail_k else ''}"
         )
-    return Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(numels), tuple(desc))
+    return Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(desc))
 
 
 def bucket_of(
-    leaves: list[torch.Tensor], offsets: tuple[int, ...], numel: int, b: Bucket
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket
 ) -> torch.Tensor | None:
     """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
     if not leaves:

@@ -18,7 +18,6 @@ import torch
 from . import _reduce
 from ._comm import Comm, bucket_what, fill_tail
 from ._errors import is_broken
-from ._shard_plan import wire_plan
 from ._window import Window, WindowSpec
 
 __all__ = ["MAX_IN_FLIGHT", "ScatterWindow"]
@@ -55,14 +54,14 @@ class ScatterWindow(Window):
         pol = sync.policies()
         if verify and sync.check != "never" and not is_broken(self.comm.group):
             per_step = spec.agree_n or "every" in pol or self.regather
-            extra = (
+            desc = (
+                *plan.description,
                 *(f"shard {k} policy {p!r}" for k, p in enumerate(pol)),
                 f"gather={sync.gather!r}",
                 *(f"accumulated in {d}" for d in lay.accum_dtypes),
                 *((f"n={spec.n} micro-steps per window",) if per_step else ()),
                 f"reduction={spec.reduction!r}",
             )
-            desc = wire_plan(plan, extra).description
             dev = plan.devices[0] if plan.devices else torch.device("cpu")
             self.comm.agree(self.comm.probe(desc, dev))
         self.every = [pol[b.shard] == "every" for b in plan.buckets]

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ._buckets import Bucket, Plan, cut_runs, leaf_order, starts
+from ._buckets import cut_runs, leaf_order, starts
 from ._errors import dtype_name
 
-__all__ = ["ShardBucket", "ShardPlan", "make_shard_plan", "wire_plan"]
+__all__ = ["ShardBucket", "ShardPlan", "make_shard_plan"]
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,3 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
         tuple(bucket_of_leaf),
         tuple(desc),
     )
-
-
-def wire_plan(plan: ShardPlan, extra: tuple[str, ...] = ()) -> Plan:
-    """The sharded buckets as a sync ``Plan`` (for the fingerprint and failure messages)."""
-    buckets = tuple(
-        Bucket(b.dtype, b.device, (), b.padded, b.nbytes, False) for b in plan.buckets
-    ) or (Bucket(torch.float64, torch.device("cpu"), (), 0, 0, False),)
-    return Plan(buckets, (), (), (), (*plan.description, *extra))
