@@ -1,11 +1,7 @@
 """Data-parallel sync: the window's sums live in flat buckets, all-reduced at the boundary.
 
-Nothing is communicated inside a window. The running sums are views into flat contiguous
-buckets (one per ``bucket_mb``, per device and accumulation dtype), so the boundary all-reduces
-them in place, one asynchronous collective per bucket, started as soon as a bucket's sums are
-final (during the last backward, with overlap). The last bucket of the widest dtype carries two
-more elements, the window's weight and a "this rank failed" flag, so normalisation by the global
-weight needs no extra round trip. Before its first bucket, each window's fingerprint is agreed.
+The running sums are views into `_buckets`' flat buckets, all-reduced in place, one collective
+per bucket; docs/sync.md ("What gradaccum does instead") describes the mechanism.
 """
 
 from __future__ import annotations
@@ -83,9 +79,8 @@ class AllReduce(Sync):
 class BucketWindow(Window):
     """One window of an all-reduce sync: sums in flat buckets, reduced in plan order.
 
-    The launch order is the same on every rank whatever the timing: the fingerprint, the
-    non-tail buckets in plan order (each as soon as it is ready, with overlap), then the tail
-    bucket, which carries the weight and failure flag and so goes last, at ``finish``.
+    The same order on every rank: the fingerprint, the other buckets, then the tail bucket
+    (the weight and failure flag), at ``finish``.
     """
 
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
@@ -202,38 +197,27 @@ def all_reduce(
     tokens per rank, and a rank with an empty window contributes zero weight.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
-    ``layers.9``), the order backward usually produces them; it depends only on the paths, so it
-    is the same on every rank whatever the dict insertion order.
+    ``layers.9``), the same on every rank ([how][what-gradaccum-does-instead]).
 
     Args:
         group: The process group; ``None`` for the default (world) group.
-        bucket_mb: Bucket size in MiB. As in DDP, a bucket takes leaves until it holds at
-            least ``bucket_mb`` (leaves are never split, so a bucket may exceed it by its last
-            leaf), and the first bucket of each dtype closes at 1 MiB, so that with overlap the
-            first all-reduce starts early. Fewer, larger buckets mean fewer collectives; more
-            buckets, more overlap.
+        bucket_mb: Bucket size in MiB: as in DDP, a bucket takes leaves until it holds at least
+            ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
+            buckets mean fewer collectives; more buckets, more overlap.
         check: ``"fingerprint"`` (default): in every window, before its first bucket, the
             ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
-            buckets (one 16-byte all-reduce, started when the boundary opens, so that it
-            overlaps the last backward); a mismatch raises
+            buckets (one 16-byte all-reduce); a mismatch raises
             [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
-            before any gradient is sent. Every window, because a rank whose tree changes (a
-            parameter unfrozen on one rank only) cannot know that the others did not.
-            ``"full"``: the ranks also compare their whole descriptions in every window (a debug
-            mode that does not rely on the hash). ``"never"``: skip it; a rank with another tree
-            then sends buckets of other sizes (gloo aborts the process) or adds unrelated
-            numbers.
+            before any gradient is sent. ``"full"`` also compares the whole descriptions (a
+            debug mode); ``"never"`` skips it ([why][mismatched-gradient-trees]).
         timeout: Seconds after which each of the sync's collectives fails (the timeout is set
             on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
             timeout.
         overlap: With a step function made by [`grad()`][gradaccum.grad] or
             [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
-            during the last micro-batch's backward, as soon as autograd has produced all of
-            that bucket's gradients (as DDP does, but without module hooks), and wait for them
-            only at the end. The bucket carrying the weight goes last. ``False`` starts them
-            all after the backward. Other step functions (``torch.func.grad``) return all
-            gradients at once, so there is nothing to overlap with.
+            during the last backward, as soon as its gradients are final; ``False`` starts them
+            all after the backward ([how][overlap-with-the-last-backward]).
 
     Returns:
         An [`AllReduce`][gradaccum.sync.AllReduce]; its

@@ -32,15 +32,8 @@ class CustomReduce(Sync):
 
     Make one with [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in such as
     [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as
-    ``sync=``.
-
-    Attributes:
-        fn: The reduction: ``fn(grads, state, group) -> (summed_grads, new_state)``.
-        init: ``init(grads) -> state``, called at the first window with zeros shaped like the
-            gradient; ``None``: the state is ``None``.
-        group: The process group (``None``: the default group).
-        timeout: Seconds to wait for the weight all-reduce; ``None``: the group's timeout.
-        name: How the reduction calls itself in messages and reprs.
+    ``sync=``. Its fields are the arguments of [`custom_reduce()`][gradaccum.custom_reduce],
+    and ``name``, how the reduction calls itself in messages and reprs.
 
     Examples:
         >>> import gradaccum
@@ -62,7 +55,8 @@ class CustomReduce(Sync):
         """The state after the last window of [`accumulate()`][gradaccum.accumulate].
 
         [`Accumulator`][gradaccum.Accumulator] keeps it in its own state instead
-        (``AccumState.reduce_state``). Save it with your checkpoint and restore it with
+        ([`AccumState.reduce_state`][gradaccum.streaming.AccumState], checkpointed with it). Save
+        it with your checkpoint and restore it with
         [`load_state()`][gradaccum.sync.CustomReduce.load_state].
         """
         return self._state[0]
@@ -191,11 +185,8 @@ def custom_reduce(
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the group's timeout.
 
     Returns:
-        A [`CustomReduce`][gradaccum.sync.CustomReduce]. With [`accumulate()`][gradaccum.accumulate]
-        it keeps the state itself ([`state`][gradaccum.sync.CustomReduce.state],
-        [`load_state()`][gradaccum.sync.CustomReduce.load_state]); with
-        [`Accumulator`][gradaccum.Accumulator] the state travels in
-        [`AccumState.reduce_state`][gradaccum.streaming.AccumState] and is checkpointed with it.
+        A [`CustomReduce`][gradaccum.sync.CustomReduce]; its
+        [`state`][gradaccum.sync.CustomReduce.state] says where the reduction's state is kept.
 
     Raises:
         TypeError: ``fn`` or ``init`` is not callable.

@@ -1,10 +1,7 @@
 """The sharded boundary: gradients reduce-scattered into each rank's shard.
 
-Two policies, per parameter group: ``boundary`` accumulates full gradients locally in flat
-(padded) buckets and reduce-scatters each once per window; ``every`` reduce-scatters each
-micro-batch's buckets (during its backward, on the fast path) into the gradient shard. Both end
-with one ``all_reduce`` of ``[weight, failed]``; `_scatter_window` keeps the window's sequence of
-collectives the same on every rank.
+The ``boundary`` and ``every`` policies (per parameter group) are described in
+[`reduce_scatter()`][gradaccum.reduce_scatter]; the window is `_scatter_window`'s.
 """
 
 from __future__ import annotations
@@ -106,19 +103,12 @@ class ReduceScatter(Sync):
         return make_layout(where, params, accum_dtype)
 
     def open(self, spec: WindowSpec) -> Window:
-        """A window checked against the sharded layout, after the fingerprint agreement.
-
-        Unless ``check="never"``, the ranks first exchange a fingerprint of everything that
-        decides the window's collectives (layout, buckets, policies, gather, accumulation
-        dtypes, reduction, and ``n`` where it sets the number of micro-step collectives), so
-        that a rank that differs raises before any of them.
-        """
+        """A window checked against the sharded layout, after the fingerprint (see ``check``)."""
         return ScatterWindow(self, spec)
 
     def state_dict(self, reduction: str, state: AccumState[Any]) -> dict[str, Any]:
         """An accumulator state as a dict (copies), mid-window included."""
-        window = state.sums
-        lay = state.layout
+        window, lay = state.sums, state.layout
         return {
             "format": SAVE_FORMAT,
             **self.sharded._meta(),
@@ -210,23 +200,20 @@ def reduce_scatter(
         policy: When gradients are reduce-scattered:
 
             - ``"boundary"`` (default): gradients accumulate in full, locally, and each bucket is
-              reduce-scattered once per window. Least communication (one reduce-scatter per
-              bucket per window, whatever ``n``); a full gradient (in the accumulation dtype)
-              lives through the window.
+              reduce-scattered once per window: the least communication.
             - ``"every"``: each micro-batch's gradients are reduce-scattered bucket by bucket
-              (during its backward, with [`grad()`][gradaccum.grad] step functions) and added
-              into a shard accumulator, so no full gradient outlives its bucket (at most two
-              buckets are in flight). ``n`` times the communication; gradient memory about
-              ``1/world``.
+              (during its backward, with [`grad()`][gradaccum.grad] step functions) into a shard
+              accumulator: ``n`` times the communication, gradient memory about ``1/world``.
 
             A dict from parameter-group name (``param_groups`` of
-            [`shard()`][gradaccum.shard]) to policy chooses per group.
+            [`shard()`][gradaccum.shard]) to policy chooses per group
+            ([costs][the-two-policies]).
         gather: When the accumulated function is called with the
             [`Sharded`][gradaccum.sync.Sharded] itself as its params: ``"window"`` (default)
             all-gathers the full params once per window and keeps them for all micro-batches;
             ``"micro_batch"`` all-gathers them before each micro-batch and drops them after its
-            backward (``n`` times the gather traffic; between micro-batches only the shards are
-            held). Params passed already gathered are used as they are.
+            backward ([costs][gathering-per-window-or-per-micro-batch]). Params passed already
+            gathered are used as they are.
         check: As in [`all_reduce()`][gradaccum.all_reduce]: in every window, before its first
             collective, the ranks check (``"fingerprint"``, the default; ``"full"`` compares the
             whole descriptions) that they have the same layout, policies, gather, reduction and,
@@ -265,11 +252,9 @@ def reduce_scatter(
         >>> sharded.write_grads(grads)
         >>> dist.destroy_process_group()
 
-    Every rank runs the same collectives in the same order in every window: under ``"every"``
-    and with ``gather="micro_batch"``, a rank with fewer micro-batches than ``n`` (a short or
-    empty batch) or one that failed completes its ``n`` micro-steps with zeros, so ranks never
-    wait on each other. With [`MicroBatches`][gradaccum.MicroBatches], no rank may pass more
-    than ``n``.
+    Every rank runs [the same collectives][the-collective-sequence] in every window: a rank with
+    fewer micro-batches than ``n``, or one that failed, completes its ``n`` micro-steps with
+    zeros. With [`MicroBatches`][gradaccum.MicroBatches], no rank may pass more than ``n``.
     """
     where = "reduce_scatter(sharded, policy=..., gather=...)"
     if not isinstance(sharded, Sharded):

@@ -1,11 +1,8 @@
 """One window of a reduce-scatter sync: running sums, shard accumulators, collectives in flight.
 
-The window keeps the sequence of collectives the same on every rank whatever happens on it:
-[fingerprint, issued when the window opens], then [params all-gather, when the window is given
-the ``Sharded`` and gathers once], then ``n`` micro-steps of [params all-gathers, when it
-gathers per micro-batch; ``every`` buckets in plan order], then the ``boundary`` buckets in plan
-order, then the weight. A rank with fewer micro-batches, or one that failed, completes the
-sequence with zeros in ``finish``.
+The window keeps the sequence of collectives (docs/sharded.md, "The collective sequence") the
+same on every rank whatever happens on it: a rank with fewer micro-batches, or one that failed,
+completes it with zeros in ``finish``.
 """
 
 from __future__ import annotations
@@ -97,7 +94,7 @@ class ScatterWindow(Window):
         self._new_step()
         self.bound_remaining = [len(b.members) for b in plan.buckets]
         self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
-        self.bound_works: list[tuple[int, Any]] = []  # launched, not yet waited on
+        self.bound_works: list[tuple[Any, str]] = []  # launched, not yet waited on
 
     def tree(self, like: Any = None) -> Any:
         """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists)."""
@@ -113,7 +110,7 @@ class ScatterWindow(Window):
         self.staging: dict[int, torch.Tensor] = {}
         self.remaining = [len(b.members) for b in self.plan.buckets]
         self.launched = 0  # every buckets launched this step (a prefix of every_order)
-        self.in_flight: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
+        self.in_flight: list[tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def begin(self, count: int) -> None:
         """Refuse more than ``n`` micro-steps: every rank runs exactly ``n`` per window."""
@@ -151,8 +148,7 @@ class ScatterWindow(Window):
         """Leaf ``i``'s gradient for this micro-step is ``alpha * g``."""
         k = self.plan.bucket_of_leaf[i]
         if not self.every[k]:
-            s = self.sums[i]  # type: ignore[index]
-            s.add_(g, alpha=alpha)
+            self.sums[i].add_(g, alpha=alpha)  # type: ignore[index]
             return
         b = self.plan.buckets[k]
         buf = self.staging.get(k)
@@ -164,8 +160,10 @@ class ScatterWindow(Window):
         if alpha != 1:
             view.mul_(alpha)
         self.remaining[k] -= 1
-        if self.remaining[k] == 0:
-            self._launch_ready()
+        if self.remaining[k] == 0:  # launch the every buckets now complete, in order
+            order = self.every_order
+            while self.launched < len(order) and self.remaining[order[self.launched]] == 0:
+                self._launch_every(order[self.launched])
 
     def last(self) -> None:
         """The coming backward is the window's last: launch boundary buckets as they complete."""
@@ -179,13 +177,6 @@ class ScatterWindow(Window):
             if self.bound_remaining[k] == 0:
                 self._launch_bound(ready_only=True)
 
-    def _launch_ready(self) -> None:
-        while self.launched < len(self.every_order):
-            k = self.every_order[self.launched]
-            if self.remaining[k] > 0:
-                return
-            self._launch_every(k)
-
     def _launch_every(self, k: int) -> None:
         b = self.plan.buckets[k]
         buf = self.staging.pop(k, None)
@@ -197,15 +188,13 @@ class ScatterWindow(Window):
         target = region if self.steps == 0 else torch.empty_like(region)
         what = bucket_what("reduce_scatter", self.plan.buckets, k)
         work = self.comm.reduce_scatter(target, buf, what, "gradients (every)")
-        self.in_flight.append((k, work, target, buf))
+        self.in_flight.append((work, what, region, target, buf))
         self.launched += 1
 
-    def _fold(self, item: tuple[int, Any, torch.Tensor, torch.Tensor]) -> None:
-        k, work, target, _buf = item
-        self.comm.wait(work, bucket_what("reduce_scatter", self.plan.buckets, k))
-        b = self.plan.buckets[k]
-        region = self.out[b.shard][b.start : b.start + b.chunk]
-        if target.data_ptr() != region.data_ptr():
+    def _fold(self, item: tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        work, what, region, target, _buf = item  # _buf: the input lives until it is waited on
+        self.comm.wait(work, what)
+        if target is not region:
             region.add_(target)
 
     def step(self) -> None:
@@ -225,18 +214,16 @@ class ScatterWindow(Window):
             if ready_only and self.bound_remaining[k] > 0:
                 return
             while len(self.bound_works) >= MAX_IN_FLIGHT:  # the backend may copy each input
-                self._wait_bound()
+                self.comm.wait(*self.bound_works.pop(0))
             b = self.plan.buckets[k]
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
             what = bucket_what("reduce_scatter", self.plan.buckets, k)
-            self.bound_works.append((k, self.comm.reduce_scatter(region, buf, what, "gradients")))
+            self.bound_works.append(
+                (self.comm.reduce_scatter(region, buf, what, "gradients"), what)
+            )
             self.bound_launched += 1
-
-    def _wait_bound(self) -> None:
-        k, work = self.bound_works.pop(0)
-        self.comm.wait(work, bucket_what("reduce_scatter", self.plan.buckets, k))
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
@@ -258,7 +245,7 @@ class ScatterWindow(Window):
         fill_tail(tail, weight, failed)
         tail_work = self.comm.all_reduce(tail, "the weight all_reduce", "weight")
         while self.bound_works:
-            self._wait_bound()
+            self.comm.wait(*self.bound_works.pop(0))
         self.comm.wait(tail_work, "the weight all_reduce")
         total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
         with torch.no_grad():

@@ -1,9 +1,6 @@
 """Sharded params (FSDP / ZeRO style): each rank owns a flat, padded shard of every bucket.
 
-The params are cut into buckets as the data-parallel sync cuts them (reverse natural order of
-key paths, DDP's size rule), separately for each (parameter group, device, dtype). Each bucket is
-the concatenation of its leaves, padded to a multiple of the world size; rank ``r`` owns the
-``r``-th of its ``world`` equal chunks. A rank's shard tensor for a parameter group is the
+The buckets are `_shard_plan`'s. A rank's shard tensor for a parameter group is the
 concatenation of its chunks of that group's buckets, so that
 
 - ``all_gather_single(bucket, chunk)`` rebuilds a bucket, whose slices are the full params
@@ -138,18 +135,12 @@ class Sharded:
             for k, b in enumerate(plan.buckets):
                 full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
-                works.append(
-                    comm.all_gather(
-                        full,
-                        mine,
-                        bucket_what("all_gather", plan.buckets, k, "params bucket"),
-                        "params",
-                    )
-                )
+                what = bucket_what("all_gather", plan.buckets, k, "params bucket")
+                works.append((comm.all_gather(full, mine, what, "params"), what))
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
-            for k, w in enumerate(works):
-                comm.wait(w, bucket_what("all_gather", plan.buckets, k, "params bucket"))
+            for work, what in works:
+                comm.wait(work, what)
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -241,11 +232,6 @@ def shard(
     once it holds ``bucket_mb``), each bucket is padded to a multiple of the world size, and
     rank ``r`` keeps the ``r``-th chunk of each. Leaves of any size and any mix of floating
     dtypes work; padding is zero and stays zero.
-
-    The returned [`Sharded`][gradaccum.sync.Sharded] gives the optimizer its shard tensors and
-    rebuilds the full params with [`gather()`][gradaccum.sync.Sharded.gather]; pair it with a
-    [`reduce_scatter()`][gradaccum.reduce_scatter] sync, which returns the window's gradient
-    as shards.
 
     Args:
         params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]).
