@@ -56,8 +56,6 @@ def all_reduce(
     return pg.allreduce([tensor], opts)
 
 
-# -- the transport a sync uses ------------------------------------------------------------------
-
 FINGERPRINT = "the fingerprint exchange with the other ranks"
 Check = Literal["fingerprint", "full", "never"]
 CHECKS = ("fingerprint", "full", "never")

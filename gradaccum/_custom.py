@@ -165,14 +165,12 @@ def custom_reduce(
     ``fn(grads, state, group) -> (summed_grads, new_state)``
 
     where ``grads`` is this rank's *share*: a pytree shaped like the params, in the accumulation
-    dtype, such that the sum of the shares of all ranks is exactly the window's gradient (under
-    ``reduction="sum"``, the shares are the plain sums). ``fn`` returns its sum over ``group``
-    (exact, like ``dist.all_reduce``, or an estimate, like a compressed one) and its state for
-    the next window. ``fn`` may communicate as it likes on ``group``; every rank calls it once
-    per window, also a rank whose window was empty (its share is zero). When a rank failed
-    during the window, no rank calls ``fn``: every rank raises instead. In one process without
-    torch.distributed (and ``group=None``), nothing is communicated and ``fn`` gets
-    ``group=None``: a world of one, where the share is the whole gradient.
+    dtype, such that the sum of the shares of all ranks is exactly the window's gradient
+    ([why][why-shares-and-not-sums]). ``fn`` returns its sum over ``group`` (exact, or an
+    estimate, like a compressed one) and its state for the next window; it may communicate on
+    ``group``. Every rank calls it once per window, an empty one included; when a rank failed,
+    every rank raises instead. Without torch.distributed (and ``group=None``), ``fn`` gets
+    ``group=None``: a world of one.
 
     Args:
         fn: The reduction, ``(grads, state, group) -> (summed_grads, new_state)``. It runs under

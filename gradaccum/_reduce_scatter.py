@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -20,12 +20,10 @@ from ._errors import GradAccumError, describe
 from ._layout import Layout, make_layout, with_accum
 from ._scatter_window import ScatterWindow
 from ._shard import Sharded
-from ._shard_plan import ShardPlan
 from ._window import Sync, Window, WindowSpec
 
 __all__ = ["ReduceScatter", "reduce_scatter"]
 
-Policy = Literal["boundary", "every"]
 POLICIES = ("boundary", "every")
 GATHERS = ("window", "micro_batch")
 SAVE_FORMAT = "gradaccum.ShardedAccumState/1"
@@ -73,15 +71,13 @@ class ReduceScatter(Sync):
         Args:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
         """
-        lay = with_accum(self.sharded.layout, accum_dtype)
+        lay, pol = with_accum(self.sharded.layout, accum_dtype), self.policies()
         out = []
-        for b in _order(self.sharded.plan, self.policies()):
+        for b in sorted(self.sharded.plan.buckets, key=lambda b: pol[b.shard] != "every"):
             dt = lay.accum_dtypes[b.members[0]] if b.members else b.dtype
             paths = tuple(lay.paths[i] for i in b.members)
             out.append(Bucket(dt, b.device, paths, b.padded, b.padded * dt.itemsize, False))
         return tuple(out)
-
-    # -- the Sync protocol ----------------------------------------------------------------------
 
     def layout(
         self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0
@@ -170,11 +166,6 @@ class ReduceScatter(Sync):
                     f.copy_(t)
         window.steps = sd["steps"]
         return type(state)(window, weight, sd["micro_step"], sd["window"], lay)
-
-
-def _order(plan: ShardPlan, pol: tuple[str, ...]) -> list[Any]:
-    every = [b for b in plan.buckets if pol[b.shard] == "every"]
-    return every + [b for b in plan.buckets if pol[b.shard] != "every"]
 
 
 def reduce_scatter(

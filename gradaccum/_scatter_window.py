@@ -71,19 +71,17 @@ class ScatterWindow(Window):
             for size, a, dev in zip(plan.sizes, shard_accum, plan.devices)
         ]
         # boundary buckets: the full running sums (zeroed, padded); leaves are views of them.
-        self.full: list[torch.Tensor | None] = []
+        self.full: list[torch.Tensor | None] = [
+            None if every else torch.zeros(b.padded, dtype=a, device=b.device)
+            for b, a, every in zip(plan.buckets, self.accum, self.every)
+        ]
         sums: list[Any] = [None] * len(lay.shapes)
         self.leaf_off = [0] * len(lay.shapes)  # each leaf's offset in its bucket
-        for k, b in enumerate(plan.buckets):
+        for b, buf in zip(plan.buckets, self.full):
             for i, off in zip(b.members, b.offsets):
                 self.leaf_off[i] = off
-            if self.every[k]:
-                self.full.append(None)
-                continue
-            buf = torch.zeros(b.padded, dtype=self.accum[k], device=b.device)
-            self.full.append(buf)
-            for i, off in zip(b.members, b.offsets):
-                sums[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+                if buf is not None:
+                    sums[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         self.sums = sums
         self.every_order = [k for k in range(len(plan.buckets)) if self.every[k]]
         self.bound_order = [k for k in range(len(plan.buckets)) if not self.every[k]]
