@@ -140,8 +140,7 @@ def bucket_of(
     base = leaves[0]._base
     if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
         return None
-    item = base.element_size()
-    start = base.data_ptr()
+    start, item = base.data_ptr(), base.element_size()
     for leaf, off in zip(leaves, offsets):
         if leaf._base is not base or leaf.data_ptr() != start + off * item:
             return None

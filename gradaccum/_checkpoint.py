@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -110,11 +111,7 @@ def check_progress(where: str, reduction: str, sd: dict[str, Any], n: int, has_s
     value = float(weight.item()) if isinstance(weight, torch.Tensor) else float(weight)
     # Each micro-batch adds at least one row under mean and sum; a count may be 0 (all padding).
     least = 0.0 if reduction == "count" else float(step)
-    if (
-        not (value == value and abs(value) != float("inf"))
-        or value < least
-        or (step == 0 and value != 0)
-    ):
+    if not math.isfinite(value) or value < least or (step == 0 and value != 0):
         want = (
             "0 before the first micro-batch"
             if step == 0

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 from collections.abc import Iterator
+from itertools import zip_longest
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -341,9 +342,4 @@ def group_name(group: Any) -> str:
 def first_diff(mine: tuple[str, ...], theirs: Any) -> tuple[str, str]:
     """The first differing line of two descriptions, phrased for an error message."""
     theirs = tuple(theirs) if isinstance(theirs, (tuple, list)) else (repr(theirs),)
-    for a, b in zip(mine, theirs):
-        if a != b:
-            return a, b
-    if len(mine) > len(theirs):
-        return mine[len(theirs)], "nothing there"
-    return "nothing there", theirs[len(mine)]
+    return next((a, b) for a, b in zip_longest(mine, theirs, fillvalue="nothing there") if a != b)

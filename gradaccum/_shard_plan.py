@@ -25,8 +25,7 @@ class ShardBucket:
     shard: int  # which shard tensor its chunk lives in
     members: tuple[int, ...]  # leaf indices, in bucket order
     offsets: tuple[int, ...]  # element offset of each member in the full bucket
-    numel: int  # data elements
-    padded: int  # numel rounded up to a multiple of the world size
+    padded: int  # its elements, rounded up to a multiple of the world size
     chunk: int  # padded // world: elements per rank
     start: int  # where this bucket's chunk starts in its shard tensor
     dtype: torch.dtype
@@ -42,7 +41,6 @@ class ShardBucket:
 class ShardPlan:
     """Which leaf is where, for one world size (internal; no communication)."""
 
-    world: int
     names: tuple[str, ...]  # parameter group of each shard tensor
     dtypes: tuple[torch.dtype, ...]  # dtype of each shard tensor
     devices: tuple[torch.device, ...]
@@ -69,9 +67,7 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
                 bucket_of_leaf[i] = len(buckets)
             padded = -(-off // world) * world
             chunk = padded // world
-            buckets.append(
-                ShardBucket(s, tuple(run), tuple(offs), off, padded, chunk, start, dt, dev)
-            )
+            buckets.append(ShardBucket(s, tuple(run), tuple(offs), padded, chunk, start, dt, dev))
             start += chunk
         shard_names.append(name)
         dtypes.append(dt)
@@ -87,7 +83,6 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
         for k, b in enumerate(buckets)
     )
     return ShardPlan(
-        world,
         tuple(shard_names),
         tuple(dtypes),
         tuple(devices),
