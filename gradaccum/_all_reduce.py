@@ -197,7 +197,7 @@ def all_reduce(
     tokens per rank, and a rank with an empty window contributes zero weight.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
-    ``layers.9``), the same on every rank ([how][what-gradaccum-does-instead]).
+    ``layers.9``), the same on every rank ([how](../sync.md#what-gradaccum-does-instead)).
 
     Args:
         group: The process group; ``None`` for the default (world) group.
@@ -209,7 +209,7 @@ def all_reduce(
             buckets (one 16-byte all-reduce); a mismatch raises
             [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
             before any gradient is sent. ``"full"`` also compares the whole descriptions (a
-            debug mode); ``"never"`` skips it ([why][mismatched-gradient-trees]).
+            debug mode); ``"never"`` skips it ([why](../sync.md#mismatched-gradient-trees)).
         timeout: Seconds after which each of the sync's collectives fails (the timeout is set
             on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
@@ -217,7 +217,7 @@ def all_reduce(
         overlap: With a step function made by [`grad()`][gradaccum.grad] or
             [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
             during the last backward, as soon as its gradients are final; ``False`` starts them
-            all after the backward ([how][overlap-with-the-last-backward]).
+            all after the backward ([how](../sync.md#overlap-with-the-last-backward)).
 
     Returns:
         An [`AllReduce`][gradaccum.sync.AllReduce]; its

@@ -166,11 +166,11 @@ def custom_reduce(
 
     where ``grads`` is this rank's *share*: a pytree shaped like the params, in the accumulation
     dtype, such that the sum of the shares of all ranks is exactly the window's gradient
-    ([why][why-shares-and-not-sums]). ``fn`` returns its sum over ``group`` (exact, or an
-    estimate, like a compressed one) and its state for the next window; it may communicate on
-    ``group``. Every rank calls it once per window, an empty one included; when a rank failed,
-    every rank raises instead. Without torch.distributed (and ``group=None``), ``fn`` gets
-    ``group=None``: a world of one.
+    ([why](../reductions.md#why-shares-and-not-sums)). ``fn`` returns its sum over ``group`` (exact,
+    or an estimate, like a compressed one) and its state for the next window; it may communicate on
+    ``group``. Every rank calls it once per window, an empty one included; when a rank failed, every
+    rank raises instead. Without torch.distributed (and ``group=None``), ``fn`` gets ``group=None``:
+    a world of one.
 
     Args:
         fn: The reduction, ``(grads, state, group) -> (summed_grads, new_state)``. It runs under

@@ -198,13 +198,13 @@ def reduce_scatter(
 
             A dict from parameter-group name (``param_groups`` of
             [`shard()`][gradaccum.shard]) to policy chooses per group
-            ([costs][the-two-policies]).
+            ([costs](../sharded.md#the-two-policies)).
         gather: When the accumulated function is called with the
             [`Sharded`][gradaccum.sync.Sharded] itself as its params: ``"window"`` (default)
             all-gathers the full params once per window and keeps them for all micro-batches;
             ``"micro_batch"`` all-gathers them before each micro-batch and drops them after its
-            backward ([costs][gathering-per-window-or-per-micro-batch]). Params passed already
-            gathered are used as they are.
+            backward ([costs](../sharded.md#gathering-per-window-or-per-micro-batch)). Params passed
+            already gathered are used as they are.
         check: As in [`all_reduce()`][gradaccum.all_reduce]: in every window, before its first
             collective, the ranks check (``"fingerprint"``, the default; ``"full"`` compares the
             whole descriptions) that they have the same layout, policies, gather, reduction and,
@@ -243,9 +243,9 @@ def reduce_scatter(
         >>> sharded.write_grads(grads)
         >>> dist.destroy_process_group()
 
-    Every rank runs [the same collectives][the-collective-sequence] in every window: a rank with
-    fewer micro-batches than ``n``, or one that failed, completes its ``n`` micro-steps with
-    zeros. With [`MicroBatches`][gradaccum.MicroBatches], no rank may pass more than ``n``.
+    Every rank runs [the same collectives](../sharded.md#the-collective-sequence) in every window: a
+    rank with fewer micro-batches than ``n``, or one that failed, completes its ``n`` micro-steps
+    with zeros. With [`MicroBatches`][gradaccum.MicroBatches], no rank may pass more than ``n``.
     """
     where = "reduce_scatter(sharded, policy=..., gather=...)"
     if not isinstance(sharded, Sharded):
