@@ -104,8 +104,6 @@ class BucketWindow(Window):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
 
-    # -- the boundary, opened before the last backward ------------------------------------------
-
     def last(self) -> None:
         """Open the boundary: start the fingerprint; find the buckets the sums are views of."""
         if self.opened:

@@ -159,8 +159,6 @@ class Comm:
             )
         self.group, self.rank, self.world = pg, rank, dist.get_world_size(pg)
 
-    # -- collectives ------------------------------------------------------------------------------
-
     def all_reduce(
         self, tensor: torch.Tensor, what: str, purpose: str, op: Any = dist.ReduceOp.SUM
     ) -> Any:
@@ -220,8 +218,6 @@ class Comm:
             f"group cannot be reused: destroy it and restart from a checkpoint."
         )
 
-    # -- agreement ------------------------------------------------------------------------------
-
     def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
 
@@ -271,8 +267,6 @@ class Comm:
             f"must pass params with the same key paths, shapes and dtypes, and the same "
             f"{options}; nothing was {done}."
         )
-
-    # -- the boundary tail ----------------------------------------------------------------------
 
     def exchange(
         self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()

@@ -167,8 +167,6 @@ class Sharded:
         for g, s in zip(grads, self.shards):
             s.grad = g
 
-    # -- checkpoints --------------------------------------------------------------------------
-
     def _meta(self) -> dict[str, Any]:
         return {
             "world": self.world,

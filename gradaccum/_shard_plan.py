@@ -56,9 +56,8 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
     for i in leaf_order(lay.paths):
         groups.setdefault((names[i], lay.devices[i], lay.dtypes[i]), []).append(i)
     buckets: list[ShardBucket] = []
-    shard_names, dtypes, devices, sizes = [], [], [], []
     bucket_of_leaf = [0] * len(lay.paths)
-    for s, ((name, dev, dt), idx) in enumerate(groups.items()):
+    for s, ((_, dev, dt), idx) in enumerate(groups.items()):
         start = 0
         nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
         for run in cut_runs(idx, nbytes, cap):
@@ -69,10 +68,8 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
             chunk = padded // world
             buckets.append(ShardBucket(s, tuple(run), tuple(offs), padded, chunk, start, dt, dev))
             start += chunk
-        shard_names.append(name)
-        dtypes.append(dt)
-        devices.append(dev)
-        sizes.append(start)
+    shard_names, devices, dtypes = zip(*groups) if groups else ((), (), ())
+    sizes = tuple(sum(b.chunk for b in buckets if b.shard == s) for s in range(len(groups)))
     desc = [
         f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} in parameter group {g!r}"
         for p, shape, dt, g in zip(lay.paths, lay.shapes, lay.dtypes, names)
@@ -83,11 +80,5 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
         for k, b in enumerate(buckets)
     )
     return ShardPlan(
-        tuple(shard_names),
-        tuple(dtypes),
-        tuple(devices),
-        tuple(sizes),
-        tuple(buckets),
-        tuple(bucket_of_leaf),
-        tuple(desc),
+        shard_names, dtypes, devices, sizes, tuple(buckets), tuple(bucket_of_leaf), tuple(desc)
     )
