@@ -119,13 +119,12 @@ class CustomWindow(Window):
         total = settle(where, world, 0, [total, 0.0], reduction)
         sums = self.sums if self.sums is not None else self.storage(zero=True)
         assert sums is not None
-        with torch.no_grad():
-            _reduce.normalise(reduction, sums, total)  # type: ignore[arg-type]
         shares = _tree.unflatten(lay.spec, sums)
         state = self.state
         if state is None and sync.init is not None:
             state = sync.init(_tree.map_(torch.zeros_like, shares))
         with torch.no_grad():
+            _reduce.normalise(reduction, sums, total)  # type: ignore[arg-type]
             out = sync.fn(shares, state, group)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(

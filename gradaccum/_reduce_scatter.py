@@ -205,11 +205,9 @@ def reduce_scatter(
             ``"micro_batch"`` all-gathers them before each micro-batch and drops them after its
             backward ([costs](../sharded.md#gathering-per-window-or-per-micro-batch)). Params passed
             already gathered are used as they are.
-        check: As in [`all_reduce()`][gradaccum.all_reduce]: in every window, before its first
-            collective, the ranks check (``"fingerprint"``, the default; ``"full"`` compares the
-            whole descriptions) that they have the same layout, policies, gather, reduction and,
-            where it sets the number of collectives (an ``every`` group or
-            ``gather="micro_batch"``), the same ``n``; ``"never"`` skips it.
+        check: As in [`all_reduce()`][gradaccum.all_reduce]; the fingerprint also covers the
+            policies, ``gather`` and, where it sets the number of collectives (an ``every``
+            group or ``gather="micro_batch"``), ``n``.
         timeout: Seconds after which each collective of the sync fails (set on the collective
             itself: gloo's reduce-scatter ignores a timeout given only to ``wait``), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's.

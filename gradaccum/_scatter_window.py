@@ -218,9 +218,8 @@ class ScatterWindow(Window):
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
             what = bucket_what("reduce_scatter", self.plan.buckets, k)
-            self.bound_works.append(
-                (self.comm.reduce_scatter(region, buf, what, "gradients"), what)
-            )
+            work = self.comm.reduce_scatter(region, buf, what, "gradients")
+            self.bound_works.append((work, what))
             self.bound_launched += 1
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
