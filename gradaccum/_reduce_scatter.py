@@ -208,9 +208,7 @@ def reduce_scatter(
         check: As in [`all_reduce()`][gradaccum.all_reduce]; the fingerprint also covers the
             policies, ``gather`` and, where it sets the number of collectives (an ``every``
             group or ``gather="micro_batch"``), ``n``.
-        timeout: Seconds after which each collective of the sync fails (set on the collective
-            itself: gloo's reduce-scatter ignores a timeout given only to ``wait``), raising
-            [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's.
+        timeout: As in [`all_reduce()`][gradaccum.all_reduce], for each collective of the sync.
         overlap: With [`grad()`][gradaccum.grad] step functions and only ``boundary`` groups,
             reduce-scatter each bucket during the last backward as soon as it is complete.
 

@@ -68,22 +68,16 @@ class Sharded:
         >>> dist.destroy_process_group()
     """
 
-    def __init__(
-        self,
-        layout: Any,
-        plan: ShardPlan,
-        shards: tuple[torch.Tensor, ...],
-        group: Any,
-        rank: int,
-        world: int,
-        bucket_mb: float,
-    ) -> None:
-        self.layout, self.plan = layout, plan
-        self.shards = shards
+    def __init__(self, layout: Any, plan: ShardPlan, comm: Comm, bucket_mb: float) -> None:
+        self.layout, self.plan, self.bucket_mb = layout, plan, bucket_mb
+        self.shards = tuple(
+            torch.zeros(size, dtype=dt, device=dev)
+            for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
+        )
         """This rank's shard tensors, flat and padded: give them to the optimizer."""
         self.names = plan.names
         """The parameter group of each shard tensor."""
-        self.group, self.rank, self.world, self.bucket_mb = group, rank, world, bucket_mb
+        self.group, self.rank, self.world = comm.group, comm.rank, comm.world
 
     def __repr__(self) -> str:
         full = sum(s.numel() for s in self.layout.shapes)
@@ -195,9 +189,8 @@ class Sharded:
         Raises:
             GradAccumError: The state was saved by another rank, with another world size or
                 another layout (params, parameter groups or ``bucket_mb``); the message names
-                the first difference. Resharding to another world size is not supported:
-                gather the params with the old world size and call
-                [`shard()`][gradaccum.shard] on them.
+                the first difference and the fix ([resharding is not
+                supported](../sharded.md#changing-the-number-of-ranks)).
         """
         where = "Sharded.load_state_dict(state_dict)"
         check_meta(where, state_dict, FORMAT, self._meta())
@@ -308,7 +301,7 @@ def shard(
             )
         names.append(name)
     comm = Comm(where, group)
-    pg, rank, world = comm.group, comm.rank, comm.world
+    rank, world = comm.rank, comm.world
     if src is not None and (
         isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world
     ):
@@ -320,10 +313,7 @@ def shard(
     dev = plan.devices[0] if plan.devices else torch.device("cpu")
     comm.agree(comm.probe(plan.description, dev), "params to shard")
     leaves = _tree.flatten(params)[0]
-    shards = tuple(
-        torch.zeros(size, dtype=dt, device=dev)
-        for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
-    )
+    sharded = Sharded(lay, plan, comm, float(bucket_mb))
     with torch.no_grad():
         for k, b in enumerate(plan.buckets):
             full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
@@ -332,7 +322,7 @@ def shard(
             if src is not None and world > 1:
                 what = bucket_what("broadcast", plan.buckets, k, "params bucket")
                 comm.wait(comm.broadcast(full, src, what, "params"), what)
-            shards[b.shard][b.start : b.start + b.chunk].copy_(
+            sharded.shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
-    return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
+    return sharded
