@@ -77,11 +77,7 @@ class AllReduce(Sync):
 
 
 class BucketWindow(Window):
-    """One window of an all-reduce sync: sums in flat buckets, reduced in plan order.
-
-    The same order on every rank: the fingerprint, the other buckets, then the tail bucket
-    (the weight and failure flag), at ``finish``.
-    """
+    """One window of an all-reduce sync: fingerprint, buckets in plan order, the tail last."""
 
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
         super().__init__(spec)

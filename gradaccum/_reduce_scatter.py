@@ -25,7 +25,6 @@ from ._window import Sync, Window, WindowSpec
 __all__ = ["ReduceScatter", "reduce_scatter"]
 
 POLICIES = ("boundary", "every")
-GATHERS = ("window", "micro_batch")
 SAVE_FORMAT = "gradaccum.ShardedAccumState/1"
 
 
@@ -273,7 +272,7 @@ def reduce_scatter(
             f"{where}: policy must be 'boundary', 'every' or a dict from parameter group to "
             f"one of them, got {describe(policy)}; pass e.g. policy='boundary'."
         )
-    if gather not in GATHERS:
+    if gather not in ("window", "micro_batch"):
         raise ValueError(
             f"{where}: gather must be 'window' or 'micro_batch', got {describe(gather)}; pass "
             f"gather='window' (once per window) or 'micro_batch' (before each micro-batch)."
