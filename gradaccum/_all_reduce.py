@@ -81,8 +81,7 @@ class BucketWindow(Window):
 
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
         super().__init__(spec)
-        self.sync, self.plan = sync, sync._plan(spec.layout)
-        self.overlap = sync.overlap
+        self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None

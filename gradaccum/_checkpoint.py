@@ -125,8 +125,7 @@ def load(
     reduction: str, state: AccumState[T], sd: dict[str, Any], n: int | None = None
 ) -> tuple[list[torch.Tensor] | None, Any]:
     """Validate ``sd`` completely against ``state``'s layout; return its sums and weight."""
-    where = "Accumulator.load_state_dict(state, state_dict)"
-    lay = state.layout
+    where, lay = "Accumulator.load_state_dict(state, state_dict)", state.layout
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise GradAccumError(
             f"{where}: expected a dict saved by Accumulator.state_dict (format {FORMAT!r}), got "

@@ -27,7 +27,6 @@ from ._shard_plan import ShardPlan, make_shard_plan
 __all__ = ["Sharded", "shard"]
 
 FORMAT = "gradaccum.Sharded/1"
-DEFAULT_GROUP = "params"
 
 
 class Sharded:
@@ -293,7 +292,7 @@ def shard(
     lay = make_layout(where, params, None)
     names = []
     for path in lay.paths:
-        name = param_groups(path) if param_groups is not None else DEFAULT_GROUP
+        name = param_groups(path) if param_groups is not None else "params"
         if not isinstance(name, str):
             raise TypeError(
                 f"{where}: param_groups({path!r}) returned {describe(name)}; it must return a "
