@@ -1,11 +1,7 @@
 """Data-parallel sync: the window's sums live in flat buckets, all-reduced at the boundary.
 
-Nothing is communicated inside a window. The running sums are views into flat contiguous
-buckets (one per ``bucket_mb``, per device and accumulation dtype), so the boundary all-reduces
-them in place, one asynchronous collective per bucket, started as soon as a bucket's sums are
-final (during the last backward, with overlap). The last bucket of the widest dtype carries two
-more elements, the window's weight and a "this rank failed" flag, so normalisation by the global
-weight needs no extra round trip. Before its first bucket, each window's fingerprint is agreed.
+The running sums are views into `_buckets`' flat buckets, all-reduced in place, one collective
+per bucket; docs/sync.md ("What gradaccum does instead") describes the mechanism.
 """
 
 from __future__ import annotations
@@ -81,20 +77,13 @@ class AllReduce(Sync):
 
 
 class BucketWindow(Window):
-    """One window of an all-reduce sync: sums in flat buckets, reduced in plan order.
-
-    The launch order is the same on every rank whatever the timing: the fingerprint, the
-    non-tail buckets in plan order (each as soon as it is ready, with overlap), then the tail
-    bucket, which carries the weight and failure flag and so goes last, at ``finish``.
-    """
+    """One window of an all-reduce sync: fingerprint, buckets in plan order, the tail last."""
 
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
         super().__init__(spec)
-        self.sync, self.plan = sync, sync._plan(spec.layout)
-        self.overlap = sync.overlap
+        self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
-        self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k]
-        self.order.append(self.tail_k)
+        self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.opened = False
         self.bufs: list[torch.Tensor | None] = []
@@ -104,16 +93,11 @@ class BucketWindow(Window):
         """Views into fresh flat buckets (zeroed, or uninitialised)."""
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        for b, members, offsets, numel in zip(
-            plan.buckets, plan.members, plan.offsets, plan.grad_numel
-        ):
-            size = numel + (TAIL if b.tail else 0)
-            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
+        for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
+            buf = (torch.zeros if zero else torch.empty)(b.numel, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
-
-    # -- the boundary, opened before the last backward ------------------------------------------
 
     def last(self) -> None:
         """Open the boundary: start the fingerprint; find the buckets the sums are views of."""
@@ -128,10 +112,8 @@ class BucketWindow(Window):
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, numel, b)
-            for b, members, offsets, numel in zip(
-                plan.buckets, plan.members, plan.offsets, plan.grad_numel
-            )
+            bucket_of([sums[i] for i in members], offsets, b)
+            for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
         ]
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
@@ -153,11 +135,8 @@ class BucketWindow(Window):
             self.comm.agree(probe)
         buf = self.bufs[k]
         assert buf is not None
-        self.works.append(
-            self.comm.all_reduce(
-                buf, bucket_what("boundary all_reduce", self.plan.buckets, k), "gradients"
-            )
-        )
+        what = bucket_what("boundary all_reduce", self.plan.buckets, k)
+        self.works.append(self.comm.all_reduce(buf, what, "gradients"))
 
     def finish(self, weight: Any, failed: bool = False) -> Any:
         """Launch what is left (the weight and failure flag in the tail), wait, normalise."""
@@ -166,32 +145,23 @@ class BucketWindow(Window):
         plan, sums, packed = self.plan, self.sums, []
         assert sums is not None
         with torch.no_grad():
-            for k, (b, members, offsets, numel) in enumerate(
-                zip(plan.buckets, plan.members, plan.offsets, plan.grad_numel)
-            ):
+            for k, b in enumerate(plan.buckets):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = torch.empty(
-                        numel + (TAIL if b.tail else 0), dtype=b.dtype, device=b.device
-                    )
-                    for i, off in zip(members, offsets):
+                    buf = self.bufs[k] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                    for i, off in zip(plan.members[k], plan.offsets[k]):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
-                    self.bufs[k] = buf
-                    packed.append(k)
+                    packed.append((k, buf))
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
-            tail = tail_buf[plan.grad_numel[self.tail_k] :]
+            tail = tail_buf[-TAIL:]
             fill_tail(tail, weight, failed)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
-            for j, work in enumerate(self.works):
-                self.comm.wait(
-                    work, bucket_what("boundary all_reduce", self.plan.buckets, self.order[j])
-                )
-            for k in packed:
-                packed_buf = self.bufs[k]
-                assert packed_buf is not None
+            for k, work in zip(self.order, self.works):
+                self.comm.wait(work, bucket_what("boundary all_reduce", plan.buckets, k))
+            for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
-                    sums[i].copy_(packed_buf[off : off + sums[i].numel()].view_as(sums[i]))
+                    sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
             total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
         return self.normalised(total)
 
@@ -220,38 +190,27 @@ def all_reduce(
     tokens per rank, and a rank with an empty window contributes zero weight.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
-    ``layers.9``), the order backward usually produces them; it depends only on the paths, so it
-    is the same on every rank whatever the dict insertion order.
+    ``layers.9``), the same on every rank ([how](../sync.md#what-gradaccum-does-instead)).
 
     Args:
         group: The process group; ``None`` for the default (world) group.
-        bucket_mb: Bucket size in MiB. As in DDP, a bucket takes leaves until it holds at
-            least ``bucket_mb`` (leaves are never split, so a bucket may exceed it by its last
-            leaf), and the first bucket of each dtype closes at 1 MiB, so that with overlap the
-            first all-reduce starts early. Fewer, larger buckets mean fewer collectives; more
-            buckets, more overlap.
+        bucket_mb: Bucket size in MiB: as in DDP, a bucket takes leaves until it holds at least
+            ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
+            buckets mean fewer collectives; more buckets, more overlap.
         check: ``"fingerprint"`` (default): in every window, before its first bucket, the
             ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
-            buckets (one 16-byte all-reduce, started when the boundary opens, so that it
-            overlaps the last backward); a mismatch raises
+            buckets (one 16-byte all-reduce); a mismatch raises
             [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
-            before any gradient is sent. Every window, because a rank whose tree changes (a
-            parameter unfrozen on one rank only) cannot know that the others did not.
-            ``"full"``: the ranks also compare their whole descriptions in every window (a debug
-            mode that does not rely on the hash). ``"never"``: skip it; a rank with another tree
-            then sends buckets of other sizes (gloo aborts the process) or adds unrelated
-            numbers.
+            before any gradient is sent. ``"full"`` also compares the whole descriptions (a
+            debug mode); ``"never"`` skips it ([why](../sync.md#mismatched-gradient-trees)).
         timeout: Seconds after which each of the sync's collectives fails (the timeout is set
             on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
             timeout.
         overlap: With a step function made by [`grad()`][gradaccum.grad] or
             [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
-            during the last micro-batch's backward, as soon as autograd has produced all of
-            that bucket's gradients (as DDP does, but without module hooks), and wait for them
-            only at the end. The bucket carrying the weight goes last. ``False`` starts them
-            all after the backward. Other step functions (``torch.func.grad``) return all
-            gradients at once, so there is nothing to overlap with.
+            during the last backward, as soon as its gradients are final; ``False`` starts them
+            all after the backward ([how](../sync.md#overlap-with-the-last-backward)).
 
     Returns:
         An [`AllReduce`][gradaccum.sync.AllReduce]; its

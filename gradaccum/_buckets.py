@@ -2,21 +2,24 @@
 
 Leaves are grouped by (device, accumulation dtype) in reverse natural order of their key paths
 (the order backward produces them; the same on every rank) and added to a bucket until it holds
-at least ``bucket_mb`` (1 MiB for the first bucket), as DDP does. The last bucket of the
-widest dtype carries a two-element tail: the window's weight and a "this rank failed" flag.
+at least ``bucket_mb`` (1 MiB for the first bucket, so that with overlap the first all-reduce
+starts early), as DDP does; a leaf is never split, so a bucket may exceed its limit by its last
+leaf. The last bucket of the widest dtype carries a two-element tail: the window's weight and a
+"this rank failed" flag.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
 
 from ._errors import dtype_name
 
-__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "cut_runs", "leaf_order", "make_plan"]
+__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "cut_runs", "leaf_order", "make_plan", "starts"]
 
 TAIL = 2  # [weight, failed]
 FIRST = 2**20  # bytes: the first bucket's limit, as DDP's (so the first all-reduce starts early)
@@ -56,7 +59,6 @@ class Plan:
     buckets: tuple[Bucket, ...]
     members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
     offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
-    grad_numel: tuple[int, ...]  # elements per bucket before the tail
     description: tuple[str, ...]  # what the fingerprint covers, one line per item
 
 
@@ -71,11 +73,7 @@ def leaf_order(paths: tuple[str, ...]) -> list[int]:
 
 
 def cut_runs(idx: list[int], nbytes: list[int], cap: int) -> list[list[int]]:
-    """Cut a sequence of leaves into buckets by DDP's rule.
-
-    Leaves are added until a bucket holds at least its limit: ``min(FIRST, cap)`` for the first
-    bucket, ``cap`` after. No leaves give one empty bucket.
-    """
+    """Cut leaves into buckets of at least ``min(FIRST, cap)`` bytes, then ``cap``; at least one."""
     runs: list[list[int]] = []
     current: list[int] = []
     used, limit = 0, min(FIRST, cap)
@@ -90,17 +88,13 @@ def cut_runs(idx: list[int], nbytes: list[int], cap: int) -> list[list[int]]:
     return runs
 
 
-def make_plan(lay: Any, cap: int) -> Plan:
-    """Group leaves by (device, dtype), then fill buckets until each holds at least ``cap``.
+def starts(lay: Any, idx: list[int]) -> tuple[int, ...]:
+    """Where each leaf of ``idx`` starts in a flat bucket of them (elements), then its size."""
+    return (0, *accumulate(lay.shapes[i].numel() for i in idx))
 
-    As in DDP: leaves are added to a bucket until it reaches its limit (a leaf is never split,
-    so a bucket may exceed the limit by its last leaf), and the first bucket of each group has
-    a limit of ``min(FIRST, cap)``, so that with overlap the first all-reduce starts early.
-    Leaves are taken in *reverse* natural order of their key paths (``layers.10`` after
-    ``layers.9``), the order in which backward usually produces gradients for parameters
-    registered in forward order, so that the first bucket is ready first. The order depends on
-    the paths only, so it is the same on every rank.
-    """
+
+def make_plan(lay: Any, cap: int) -> Plan:
+    """Group leaves by (device, dtype), then fill buckets as the module docstring says."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in leaf_order(lay.paths):
         groups.setdefault((lay.devices[i], lay.accum_dtypes[i]), []).append(i)
@@ -117,40 +111,28 @@ def make_plan(lay: Any, cap: int) -> Plan:
     else:  # only float16/bfloat16 accumulators: a tiny float32 bucket of its own
         cut.append((cut[-1][0], torch.float32, []))
         tail_k = len(cut) - 1
-    buckets, members, offsets, numels = [], [], [], []
+    buckets, members, offsets = [], [], []
     desc = [
         f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} accumulated in {dtype_name(adt)}"
         for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
     ]
     desc.append(f"{len(lay.paths)} params leaves")
     for k, (dev, dt, idx) in enumerate(cut):
-        offs, off = [], 0
-        for i in idx:
-            offs.append(off)
-            off += lay.shapes[i].numel()
+        *offs, off = starts(lay, idx)
         total = off + (TAIL if k == tail_k else 0)
-        buckets.append(
-            Bucket(
-                dtype=dt,
-                device=dev,
-                paths=tuple(lay.paths[i] for i in idx),
-                numel=total,
-                nbytes=total * dt.itemsize,
-                tail=k == tail_k,
-            )
-        )
+        paths = tuple(lay.paths[i] for i in idx)
+        buckets.append(Bucket(dt, dev, paths, total, total * dt.itemsize, k == tail_k))
         members.append(tuple(idx))
         offsets.append(tuple(offs))
-        numels.append(off)
         desc.append(
             f"bucket {k} of {total} {dtype_name(dt)} elements"
             f"{' with the weight' if k == tail_k else ''}"
         )
-    return Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(numels), tuple(desc))
+    return Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(desc))
 
 
 def bucket_of(
-    leaves: list[torch.Tensor], offsets: tuple[int, ...], numel: int, b: Bucket
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket
 ) -> torch.Tensor | None:
     """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
     if not leaves:
@@ -158,8 +140,7 @@ def bucket_of(
     base = leaves[0]._base
     if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
         return None
-    item = base.element_size()
-    start = base.data_ptr()
+    start, item = base.data_ptr(), base.element_size()
     for leaf, off in zip(leaves, offsets):
         if leaf._base is not base or leaf.data_ptr() != start + off * item:
             return None

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -42,55 +43,39 @@ def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:
     }
 
 
-_FIELDS = (
-    "accum_dtypes",
-    "dtypes",
-    "micro_step",
-    "paths",
-    "reduction",
-    "shapes",
-    "sums",
-    "weight",
-    "window",
-)
+_FIELDS = "accum_dtypes dtypes micro_step paths reduction shapes sums weight window".split()
+FIX = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
 
 
 def _check_fields(where: str, sd: dict[str, Any]) -> None:
     """Check that a state dict has every field, of the right kind and length."""
-    fix = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
     missing = [k for k in _FIELDS if k not in sd]
     if missing:
-        raise GradAccumError(f"{where}: the state dict lacks the keys {missing}{fix}")
-    for key, what in (
-        ("paths", "a list of key-path strings (e.g. \"['w']\")"),
-        ("shapes", "a list of shapes, one per path"),
-        ("dtypes", "a list of dtype names, one per path"),
-        ("accum_dtypes", "a list of dtype names, one per path"),
-        ("sums", "None or a list of tensors, one per path"),
-    ):
+        raise GradAccumError(f"{where}: the state dict lacks the keys {missing}{FIX}")
+    lists = (
+        ("paths", "a list of key-path strings (e.g. \"['w']\")", "paths"),
+        ("shapes", "a list of shapes, one per path", "shapes"),
+        ("dtypes", "a list of dtype names, one per path", "dtypes"),
+        ("accum_dtypes", "a list of dtype names, one per path", "accum_dtypes"),
+        ("sums", "None or a list of tensors, one per path", "running sums"),
+    )
+    for key, what, _ in lists:
         value = sd[key]
         if key == "sums" and value is None:
             continue
         if not isinstance(value, (list, tuple)):
-            raise GradAccumError(f"{where}: {key} must be {what}, got {describe(value)}{fix}")
+            raise GradAccumError(f"{where}: {key} must be {what}, got {describe(value)}{FIX}")
         bad = [p for p in value if not isinstance(p, str)] if key == "paths" else []
         if bad:
             got = f"a {type(value).__name__} holding {describe(bad[0])}"
-            raise GradAccumError(f"{where}: {key} must be {what}, got {got}{fix}")
+            raise GradAccumError(f"{where}: {key} must be {what}, got {got}{FIX}")
     n = len(sd["paths"])
-    for key, label in (
-        ("shapes", "shapes"),
-        ("dtypes", "dtypes"),
-        ("accum_dtypes", "accum_dtypes"),
-        ("sums", "running sums"),
-    ):
-        if key == "sums" and sd[key] is None:
-            continue
-        if len(sd[key]) != n:
+    for key, _, label in lists:
+        if sd[key] is not None and len(sd[key]) != n:
             raise GradAccumError(
-                f"{where}: the state dict has {n} paths but {len(sd[key])} {label}{fix}"
+                f"{where}: the state dict has {n} paths but {len(sd[key])} {label}{FIX}"
             )
-    check_counters(where, sd, ("micro_step", "window"), fix)
+    check_counters(where, sd, ("micro_step", "window"), FIX)
 
 
 def check_counters(where: str, sd: dict[str, Any], keys: tuple[str, ...], fix: str) -> None:
@@ -112,49 +97,40 @@ def check_counters(where: str, sd: dict[str, Any], keys: tuple[str, ...], fix: s
 
 def check_progress(where: str, reduction: str, sd: dict[str, Any], n: int, has_sums: bool) -> None:
     """Check a state dict's micro_step, weight and sums against each other and ``n``."""
-    fix = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
     step = sd["micro_step"]
     if step > n:
         raise GradAccumError(
-            f"{where}: micro_step is {step}, more than the window's n={n} micro-batches{fix}"
+            f"{where}: micro_step is {step}, more than the window's n={n} micro-batches{FIX}"
         )
     if has_sums != (step > 0):
         raise GradAccumError(
             f"{where}: sums is {'present' if has_sums else 'None'} but micro_step is {step}: a "
-            f"window holds running sums exactly when it holds a micro-batch{fix}"
+            f"window holds running sums exactly when it holds a micro-batch{FIX}"
         )
     weight = sd["weight"]
     value = float(weight.item()) if isinstance(weight, torch.Tensor) else float(weight)
     # Each micro-batch adds at least one row under mean and sum; a count may be 0 (all padding).
     least = 0.0 if reduction == "count" else float(step)
-    if (
-        not (value == value and abs(value) != float("inf"))
-        or value < least
-        or (step == 0 and value != 0)
-    ):
+    if not math.isfinite(value) or value < least or (step == 0 and value != 0):
         want = (
             "0 before the first micro-batch"
             if step == 0
             else f"a finite number >= {least:g} after {step} micro-batch(es) under "
             f"reduction={reduction!r}"
         )
-        raise GradAccumError(f"{where}: weight is {value!r}, expected {want}{fix}")
+        raise GradAccumError(f"{where}: weight is {value!r}, expected {want}{FIX}")
 
 
 def load(
-    reduction: str,
-    state: AccumState[T],
-    sd: dict[str, Any],
-    n: int | None = None,
+    reduction: str, state: AccumState[T], sd: dict[str, Any], n: int | None = None
 ) -> tuple[list[torch.Tensor] | None, Any]:
     """Validate ``sd`` completely against ``state``'s layout; return its sums and weight."""
-    where = "Accumulator.load_state_dict(state, state_dict)"
-    lay = state.layout
+    where, lay = "Accumulator.load_state_dict(state, state_dict)", state.layout
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise GradAccumError(
             f"{where}: expected a dict saved by Accumulator.state_dict (format {FORMAT!r}), got "
             f"{describe(sd) if not isinstance(sd, dict) else 'format ' + repr(sd.get('format'))}"
-            f"; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
+            f"{FIX}"
         )
     _check_fields(where, sd)
     if n is not None:

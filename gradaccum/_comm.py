@@ -1,20 +1,14 @@
 """The transport: every collective gradaccum issues, with its timeout enforced by the backend.
 
-``Work.wait(timeout)`` is not enough: gloo ignores it for reduce-scatter (the wait falls back to
-the process group's own timeout), and where it is honoured the collective stays pending after the
-wait gives up, so a late peer later blocks in it. Here the timeout goes into the collective's own
-options (``AllreduceOptions.timeout`` and the like), so the backend itself fails the collective
-once it is exceeded, on every kind: the waiting rank raises after ``timeout`` seconds, the pairs
-are closed, and a late peer's collective fails at once instead of hanging.
+On CPU tensors (gloo) the timeout goes into the collective's own options
+(``AllreduceOptions.timeout`` and the like), so the backend fails the collective itself, on
+every kind: ``Work.wait(timeout)`` is not enough (gloo ignores it for reduce-scatter, and a
+collective left pending makes a late peer block in it); docs/sync.md ("A dead or stuck peer")
+has the user's side. On accelerators (NCCL) a collective past its own timeout makes the
+watchdog end the process, so there the timeout stays on ``Work.wait``, which NCCL honours.
 
-On CPU tensors (gloo) the timeout goes into the options. On accelerators (NCCL) a collective
-that exceeds its own timeout makes the backend's watchdog end the process, so there the timeout
-stays on ``Work.wait`` (NCCL honours it), as before.
-
-[`Comm`][gradaccum.sync.Comm] is a sync's process group for one window: every collective
-logged and named, a wait with a timeout, the fingerprint agreement, and the boundary tail (the
-window's weight and a failure flag), each written once here and used by every sync. (All
-all-reduces go through the module function ``all_reduce``, which tests replace to watch them.)
+[`Comm`][gradaccum.sync.Comm] writes each mechanism once for every sync. (All all-reduces go
+through the module function ``all_reduce``, which tests replace to watch them.)
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 from collections.abc import Iterator
+from itertools import zip_longest
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -53,10 +48,7 @@ def _options(opts: Any, timeout: float | None, tensor: torch.Tensor) -> Any:
 
 
 def all_reduce(
-    tensor: torch.Tensor,
-    group: Any,
-    timeout: float | None,
-    op: Any = dist.ReduceOp.SUM,
+    tensor: torch.Tensor, group: Any, timeout: float | None, op: Any = dist.ReduceOp.SUM
 ) -> Any:
     """Start an in-place all-reduce of ``tensor`` over ``group``."""
     opts = _options(c10d.AllreduceOptions(), timeout, tensor)
@@ -64,8 +56,6 @@ def all_reduce(
     pg: Any = dist.group.WORLD if group is None else group
     return pg.allreduce([tensor], opts)
 
-
-# -- the transport a sync uses ------------------------------------------------------------------
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
 Check = Literal["fingerprint", "full", "never"]
@@ -169,8 +159,6 @@ class Comm:
             )
         self.group, self.rank, self.world = pg, rank, dist.get_world_size(pg)
 
-    # -- collectives ------------------------------------------------------------------------------
-
     def all_reduce(
         self, tensor: torch.Tensor, what: str, purpose: str, op: Any = dist.ReduceOp.SUM
     ) -> Any:
@@ -230,8 +218,6 @@ class Comm:
             f"group cannot be reused: destroy it and restart from a checkpoint."
         )
 
-    # -- agreement ------------------------------------------------------------------------------
-
     def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
 
@@ -270,32 +256,24 @@ class Comm:
             diffs.append(f"rank {self.rank} has {mine} but rank {r} has {theirs}")
         if not diffs:
             return
-        # No collective of the window was started: the error path must not join a boundary
-        # whose buckets differ between ranks.
-        mark_broken(self.group)
-        if subject == "params to shard":
-            options, done = "bucket_mb and param_groups", "sharded"
-        else:
-            options, done = (
-                "reduction, sync options and (where it sets the collectives) n",
-                "reduced",
-            )
+        mark_broken(self.group)  # so the error path joins no boundary of differing buckets
+        options, done = (
+            ("bucket_mb and param_groups", "sharded")
+            if subject == "params to shard"
+            else ("reduction, sync options and (where it sets the collectives) n", "reduced")
+        )
         raise GradAccumError(
             f"{self.where}: the ranks disagree on the {subject}: {'; '.join(diffs)}. Every rank "
             f"must pass params with the same key paths, shapes and dtypes, and the same "
             f"{options}; nothing was {done}."
         )
 
-    # -- the boundary tail ----------------------------------------------------------------------
-
     def exchange(
         self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
     ) -> list[float]:
         """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums."""
-        tail = torch.zeros(2 + len(extra), dtype=torch.float64, device=device)
+        tail = torch.tensor([0.0, 0.0, *extra], dtype=torch.float64, device=device)
         fill_tail(tail, weight, failed)
-        for j, x in enumerate(extra):
-            tail[2 + j] = x
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
         return list(tail.tolist())
 
@@ -358,9 +336,4 @@ def group_name(group: Any) -> str:
 def first_diff(mine: tuple[str, ...], theirs: Any) -> tuple[str, str]:
     """The first differing line of two descriptions, phrased for an error message."""
     theirs = tuple(theirs) if isinstance(theirs, (tuple, list)) else (repr(theirs),)
-    for a, b in zip(mine, theirs):
-        if a != b:
-            return a, b
-    if len(mine) > len(theirs):
-        return mine[len(theirs)], "nothing there"
-    return "nothing there", theirs[len(mine)]
+    return next((a, b) for a, b in zip_longest(mine, theirs, fillvalue="nothing there") if a != b)

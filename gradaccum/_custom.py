@@ -1,12 +1,7 @@
 """Custom boundary reductions: the user's function decides how gradients cross the group.
 
-At the boundary gradaccum first sums the window's weight and failure flag over the group (one
-32-byte ``all_reduce``, which also checks that the ranks agree on the gradient tree), so that
-every rank knows the global rows or counts and whether another
-rank failed. Then it divides this rank's running sums by the global weight, which makes them
-this rank's *share*: the shares of all ranks add up to the exact window gradient. The reduction
-function gets the shares, the process group and its state, and returns the (exact or estimated)
-sum over the group and its new state.
+The boundary protocol (the weight exchange, the shares, ``fn``) is described in
+[`custom_reduce()`][gradaccum.custom_reduce].
 """
 
 from __future__ import annotations
@@ -37,15 +32,8 @@ class CustomReduce(Sync):
 
     Make one with [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in such as
     [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as
-    ``sync=``.
-
-    Attributes:
-        fn: The reduction: ``fn(grads, state, group) -> (summed_grads, new_state)``.
-        init: ``init(grads) -> state``, called at the first window with zeros shaped like the
-            gradient; ``None``: the state is ``None``.
-        group: The process group (``None``: the default group).
-        timeout: Seconds to wait for the weight all-reduce; ``None``: the group's timeout.
-        name: How the reduction calls itself in messages and reprs.
+    ``sync=``. Its fields are the arguments of [`custom_reduce()`][gradaccum.custom_reduce],
+    and ``name``, how the reduction calls itself in messages and reprs.
 
     Examples:
         >>> import gradaccum
@@ -67,7 +55,8 @@ class CustomReduce(Sync):
         """The state after the last window of [`accumulate()`][gradaccum.accumulate].
 
         [`Accumulator`][gradaccum.Accumulator] keeps it in its own state instead
-        (``AccumState.reduce_state``). Save it with your checkpoint and restore it with
+        ([`AccumState.reduce_state`][gradaccum.streaming.AccumState], checkpointed with it). Save
+        it with your checkpoint and restore it with
         [`load_state()`][gradaccum.sync.CustomReduce.load_state].
         """
         return self._state[0]
@@ -130,13 +119,12 @@ class CustomWindow(Window):
         total = settle(where, world, 0, [total, 0.0], reduction)
         sums = self.sums if self.sums is not None else self.storage(zero=True)
         assert sums is not None
-        with torch.no_grad():
-            _reduce.normalise(reduction, sums, total)  # type: ignore[arg-type]
         shares = _tree.unflatten(lay.spec, sums)
         state = self.state
         if state is None and sync.init is not None:
             state = sync.init(_tree.map_(torch.zeros_like, shares))
         with torch.no_grad():
+            _reduce.normalise(reduction, sums, total)  # type: ignore[arg-type]
             out = sync.fn(shares, state, group)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(
@@ -164,31 +152,24 @@ class CustomWindow(Window):
 
 
 def custom_reduce(
-    fn: ReduceFn,
-    *,
-    init: InitFn | None = None,
-    group: Any = None,
-    timeout: float | None = None,
+    fn: ReduceFn, *, init: InitFn | None = None, group: Any = None, timeout: float | None = None
 ) -> CustomReduce:
     """A boundary reduction written by you: how the window's gradients cross the group.
 
     Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
     [`Accumulator`][gradaccum.Accumulator]. At the boundary gradaccum sums the window's weight
     (rows or counts), a failure flag and a hash of the gradient tree over the group in one
-    32-byte ``all_reduce``, divides
-    this rank's running sums by the global weight, and calls
+    32-byte ``all_reduce``, divides this rank's running sums by the global weight, and calls
 
     ``fn(grads, state, group) -> (summed_grads, new_state)``
 
     where ``grads`` is this rank's *share*: a pytree shaped like the params, in the accumulation
-    dtype, such that the sum of the shares of all ranks is exactly the window's gradient (under
-    ``reduction="sum"``, the shares are the plain sums). ``fn`` returns its sum over ``group``
-    (exact, like ``dist.all_reduce``, or an estimate, like a compressed one) and its state for
-    the next window. ``fn`` may communicate as it likes on ``group``; every rank calls it once
-    per window, also a rank whose window was empty (its share is zero). When a rank failed
-    during the window, no rank calls ``fn``: every rank raises instead. In one process without
-    torch.distributed (and ``group=None``), nothing is communicated and ``fn`` gets
-    ``group=None``: a world of one, where the share is the whole gradient.
+    dtype, such that the sum of the shares of all ranks is exactly the window's gradient
+    ([why](../reductions.md#why-shares-and-not-sums)). ``fn`` returns its sum over ``group`` (exact,
+    or an estimate, like a compressed one) and its state for the next window; it may communicate on
+    ``group``. Every rank calls it once per window, an empty one included; when a rank failed, every
+    rank raises instead. Without torch.distributed (and ``group=None``), ``fn`` gets ``group=None``:
+    a world of one.
 
     Args:
         fn: The reduction, ``(grads, state, group) -> (summed_grads, new_state)``. It runs under
@@ -201,11 +182,8 @@ def custom_reduce(
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the group's timeout.
 
     Returns:
-        A [`CustomReduce`][gradaccum.sync.CustomReduce]. With [`accumulate()`][gradaccum.accumulate]
-        it keeps the state itself ([`state`][gradaccum.sync.CustomReduce.state],
-        [`load_state()`][gradaccum.sync.CustomReduce.load_state]); with
-        [`Accumulator`][gradaccum.Accumulator] the state travels in
-        [`AccumState.reduce_state`][gradaccum.streaming.AccumState] and is checkpointed with it.
+        A [`CustomReduce`][gradaccum.sync.CustomReduce]; its
+        [`state`][gradaccum.sync.CustomReduce.state] says where the reduction's state is kept.
 
     Raises:
         TypeError: ``fn`` or ``init`` is not callable.

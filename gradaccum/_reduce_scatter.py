@@ -1,26 +1,14 @@
 """The sharded boundary: gradients reduce-scattered into each rank's shard.
 
-Two policies, per parameter group:
-
-- ``boundary``: full gradients accumulate locally in flat (padded) buckets; one
-  ``reduce_scatter`` per bucket per window, into the rank's slice of the gradient shard.
-- ``every``: each micro-batch's gradients are reduce-scattered bucket by bucket (during its
-  backward, on the fast path) and added into the gradient shard; no full gradient outlives its
-  bucket.
-
-Both end with one ``all_reduce`` of ``[weight, failed]`` (two float64 numbers). The sequence of
-collectives of a window is the same on every rank whatever happens on it: [fingerprint], then
-[params all-gather, once], then ``n`` micro-steps of [params all-gathers, with
-``gather="micro_batch"``; ``every`` buckets in plan order], then the ``boundary`` buckets in
-plan order, then the weight. A rank with fewer micro-batches, or one that failed, completes the
-sequence with zeros.
+The ``boundary`` and ``every`` policies (per parameter group) are described in
+[`reduce_scatter()`][gradaccum.reduce_scatter]; the window is `_scatter_window`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -32,14 +20,11 @@ from ._errors import GradAccumError, describe
 from ._layout import Layout, make_layout, with_accum
 from ._scatter_window import ScatterWindow
 from ._shard import Sharded
-from ._shard_plan import ShardPlan
 from ._window import Sync, Window, WindowSpec
 
 __all__ = ["ReduceScatter", "reduce_scatter"]
 
-Policy = Literal["boundary", "every"]
 POLICIES = ("boundary", "every")
-GATHERS = ("window", "micro_batch")
 SAVE_FORMAT = "gradaccum.ShardedAccumState/1"
 
 
@@ -85,17 +70,13 @@ class ReduceScatter(Sync):
         Args:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
         """
-        lay = with_accum(self.sharded.layout, accum_dtype)
+        lay, pol = with_accum(self.sharded.layout, accum_dtype), self.policies()
         out = []
-        for b in _order(self.sharded.plan, self.policies()):
+        for b in sorted(self.sharded.plan.buckets, key=lambda b: pol[b.shard] != "every"):
             dt = lay.accum_dtypes[b.members[0]] if b.members else b.dtype
             paths = tuple(lay.paths[i] for i in b.members)
             out.append(Bucket(dt, b.device, paths, b.padded, b.padded * dt.itemsize, False))
         return tuple(out)
-
-    # -- used by accumulate and Accumulator ---------------------------------------------------
-
-    # -- the Sync protocol ----------------------------------------------------------------------
 
     def layout(
         self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0
@@ -117,19 +98,12 @@ class ReduceScatter(Sync):
         return make_layout(where, params, accum_dtype)
 
     def open(self, spec: WindowSpec) -> Window:
-        """A window checked against the sharded layout, after the fingerprint agreement.
-
-        Unless ``check="never"``, the ranks first exchange a fingerprint of everything that
-        decides the window's collectives (layout, buckets, policies, gather, accumulation
-        dtypes, reduction, and ``n`` where it sets the number of micro-step collectives), so
-        that a rank that differs raises before any of them.
-        """
+        """A window checked against the sharded layout, after the fingerprint (see ``check``)."""
         return ScatterWindow(self, spec)
 
     def state_dict(self, reduction: str, state: AccumState[Any]) -> dict[str, Any]:
         """An accumulator state as a dict (copies), mid-window included."""
-        window = state.sums
-        lay = state.layout
+        window, lay = state.sums, state.layout
         return {
             "format": SAVE_FORMAT,
             **self.sharded._meta(),
@@ -169,8 +143,7 @@ class ReduceScatter(Sync):
         check_progress(where, reduction, sd, n, sd.get("full") is not None)
         if sd["steps"] > n:
             raise GradAccumError(
-                f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps; pass "
-                f"the dict that Accumulator.state_dict() returned on this rank."
+                f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps{fix}"
             )
         if isinstance(weight, torch.Tensor):
             weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
@@ -185,20 +158,13 @@ class ReduceScatter(Sync):
             ):
                 raise GradAccumError(
                     f"{where}: saved buffer {k} is {describe(t)}, expected "
-                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}; pass the "
-                    f"dict that Accumulator.state_dict() returned on this rank."
+                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}{fix}"
                 )
-        with torch.no_grad():
-            for t, f in zip(saved, window.full + window.out):  # type: ignore[operator]
-                if f is not None:
+            if f is not None:  # a fresh window: an error above leaves nothing half-loaded
+                with torch.no_grad():
                     f.copy_(t)
         window.steps = sd["steps"]
         return type(state)(window, weight, sd["micro_step"], sd["window"], lay)
-
-
-def _order(plan: ShardPlan, pol: tuple[str, ...]) -> list[Any]:
-    every = [b for b in plan.buckets if pol[b.shard] == "every"]
-    return every + [b for b in plan.buckets if pol[b.shard] != "every"]
 
 
 def reduce_scatter(
@@ -224,31 +190,24 @@ def reduce_scatter(
         policy: When gradients are reduce-scattered:
 
             - ``"boundary"`` (default): gradients accumulate in full, locally, and each bucket is
-              reduce-scattered once per window. Least communication (one reduce-scatter per
-              bucket per window, whatever ``n``); a full gradient (in the accumulation dtype)
-              lives through the window.
+              reduce-scattered once per window: the least communication.
             - ``"every"``: each micro-batch's gradients are reduce-scattered bucket by bucket
-              (during its backward, with [`grad()`][gradaccum.grad] step functions) and added
-              into a shard accumulator, so no full gradient outlives its bucket (at most two
-              buckets are in flight). ``n`` times the communication; gradient memory about
-              ``1/world``.
+              (during its backward, with [`grad()`][gradaccum.grad] step functions) into a shard
+              accumulator: ``n`` times the communication, gradient memory about ``1/world``.
 
             A dict from parameter-group name (``param_groups`` of
-            [`shard()`][gradaccum.shard]) to policy chooses per group.
+            [`shard()`][gradaccum.shard]) to policy chooses per group
+            ([costs](../sharded.md#the-two-policies)).
         gather: When the accumulated function is called with the
             [`Sharded`][gradaccum.sync.Sharded] itself as its params: ``"window"`` (default)
             all-gathers the full params once per window and keeps them for all micro-batches;
             ``"micro_batch"`` all-gathers them before each micro-batch and drops them after its
-            backward (``n`` times the gather traffic; between micro-batches only the shards are
-            held). Params passed already gathered are used as they are.
-        check: As in [`all_reduce()`][gradaccum.all_reduce]: in every window, before its first
-            collective, the ranks check (``"fingerprint"``, the default; ``"full"`` compares the
-            whole descriptions) that they have the same layout, policies, gather, reduction and,
-            where it sets the number of collectives (an ``every`` group or
-            ``gather="micro_batch"``), the same ``n``; ``"never"`` skips it.
-        timeout: Seconds after which each collective of the sync fails (set on the collective
-            itself: gloo's reduce-scatter ignores a timeout given only to ``wait``), raising
-            [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's.
+            backward ([costs](../sharded.md#gathering-per-window-or-per-micro-batch)). Params passed
+            already gathered are used as they are.
+        check: As in [`all_reduce()`][gradaccum.all_reduce]; the fingerprint also covers the
+            policies, ``gather`` and, where it sets the number of collectives (an ``every``
+            group or ``gather="micro_batch"``), ``n``.
+        timeout: As in [`all_reduce()`][gradaccum.all_reduce], for each collective of the sync.
         overlap: With [`grad()`][gradaccum.grad] step functions and only ``boundary`` groups,
             reduce-scatter each bucket during the last backward as soon as it is complete.
 
@@ -279,11 +238,9 @@ def reduce_scatter(
         >>> sharded.write_grads(grads)
         >>> dist.destroy_process_group()
 
-    Every rank runs the same collectives in the same order in every window: under ``"every"``
-    and with ``gather="micro_batch"``, a rank with fewer micro-batches than ``n`` (a short or
-    empty batch) or one that failed completes its ``n`` micro-steps with zeros, so ranks never
-    wait on each other. With [`MicroBatches`][gradaccum.MicroBatches], no rank may pass more
-    than ``n``.
+    Every rank runs [the same collectives](../sharded.md#the-collective-sequence) in every window: a
+    rank with fewer micro-batches than ``n``, or one that failed, completes its ``n`` micro-steps
+    with zeros. With [`MicroBatches`][gradaccum.MicroBatches], no rank may pass more than ``n``.
     """
     where = "reduce_scatter(sharded, policy=..., gather=...)"
     if not isinstance(sharded, Sharded):
@@ -315,7 +272,7 @@ def reduce_scatter(
             f"{where}: policy must be 'boundary', 'every' or a dict from parameter group to "
             f"one of them, got {describe(policy)}; pass e.g. policy='boundary'."
         )
-    if gather not in GATHERS:
+    if gather not in ("window", "micro_batch"):
         raise ValueError(
             f"{where}: gather must be 'window' or 'micro_batch', got {describe(gather)}; pass "
             f"gather='window' (once per window) or 'micro_batch' (before each micro-batch)."

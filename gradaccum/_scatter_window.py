@@ -1,15 +1,13 @@
 """One window of a reduce-scatter sync: running sums, shard accumulators, collectives in flight.
 
-The window keeps the sequence of collectives the same on every rank whatever happens on it:
-[fingerprint, issued when the window opens], then [params all-gather, when the window is given
-the ``Sharded`` and gathers once], then ``n`` micro-steps of [params all-gathers, when it
-gathers per micro-batch; ``every`` buckets in plan order], then the ``boundary`` buckets in plan
-order, then the weight. A rank with fewer micro-batches, or one that failed, completes the
-sequence with zeros in ``finish``.
+The window keeps the sequence of collectives (docs/sharded.md, "The collective sequence") the
+same on every rank whatever happens on it: a rank with fewer micro-batches, or one that failed,
+completes it with zeros in ``finish``.
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -17,11 +15,11 @@ import torch
 from . import _reduce
 from ._comm import Comm, bucket_what, fill_tail
 from ._errors import is_broken
-from ._shard_plan import wire_plan
 from ._window import Window, WindowSpec
 
 __all__ = ["MAX_IN_FLIGHT", "ScatterWindow"]
 
+_FIXED = attrgetter("spec", "paths", "shapes", "dtypes", "devices")  # what a Sharded fixes
 MAX_IN_FLIGHT = 2  # buckets on the wire at once: bounds the memory of (backend copies of) inputs
 
 
@@ -32,17 +30,10 @@ class ScatterWindow(Window):
         """``sync`` is the ReduceScatter (its sharded params, policies, gather and options)."""
         super().__init__(spec)
         lay, where, sp = spec.layout, spec.where, sync.sharded
-        mine = sp.layout
-        if (lay.spec, lay.paths, lay.shapes, lay.dtypes, lay.devices) != (
-            mine.spec,
-            mine.paths,
-            mine.shapes,
-            mine.dtypes,
-            mine.devices,
-        ):
+        if _FIXED(lay) != _FIXED(sp.layout):
             raise ValueError(
                 f"{where}: the gradients are for params that differ from the sharded ones "
-                f"({_first_diff(lay, mine)}); pass the Sharded object (or what its gather() "
+                f"({_first_diff(lay, sp.layout)}); pass the Sharded object (or what its gather() "
                 f"returned) as the params of the step function."
             )
         plan = self.plan = sp.plan
@@ -60,14 +51,14 @@ class ScatterWindow(Window):
         pol = sync.policies()
         if verify and sync.check != "never" and not is_broken(self.comm.group):
             per_step = spec.agree_n or "every" in pol or self.regather
-            extra = (
+            desc = (
+                *plan.description,
                 *(f"shard {k} policy {p!r}" for k, p in enumerate(pol)),
                 f"gather={sync.gather!r}",
                 *(f"accumulated in {d}" for d in lay.accum_dtypes),
                 *((f"n={spec.n} micro-steps per window",) if per_step else ()),
                 f"reduction={spec.reduction!r}",
             )
-            desc = wire_plan(plan, extra).description
             dev = plan.devices[0] if plan.devices else torch.device("cpu")
             self.comm.agree(self.comm.probe(desc, dev))
         self.every = [pol[b.shard] == "every" for b in plan.buckets]
@@ -80,19 +71,17 @@ class ScatterWindow(Window):
             for size, a, dev in zip(plan.sizes, shard_accum, plan.devices)
         ]
         # boundary buckets: the full running sums (zeroed, padded); leaves are views of them.
-        self.full: list[torch.Tensor | None] = []
+        self.full: list[torch.Tensor | None] = [
+            None if every else torch.zeros(b.padded, dtype=a, device=b.device)
+            for b, a, every in zip(plan.buckets, self.accum, self.every)
+        ]
         sums: list[Any] = [None] * len(lay.shapes)
         self.leaf_off = [0] * len(lay.shapes)  # each leaf's offset in its bucket
-        for k, b in enumerate(plan.buckets):
+        for b, buf in zip(plan.buckets, self.full):
             for i, off in zip(b.members, b.offsets):
                 self.leaf_off[i] = off
-            if self.every[k]:
-                self.full.append(None)
-                continue
-            buf = torch.zeros(b.padded, dtype=self.accum[k], device=b.device)
-            self.full.append(buf)
-            for i, off in zip(b.members, b.offsets):
-                sums[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+                if buf is not None:
+                    sums[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         self.sums = sums
         self.every_order = [k for k in range(len(plan.buckets)) if self.every[k]]
         self.bound_order = [k for k in range(len(plan.buckets)) if not self.every[k]]
@@ -103,7 +92,7 @@ class ScatterWindow(Window):
         self._new_step()
         self.bound_remaining = [len(b.members) for b in plan.buckets]
         self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
-        self.bound_works: list[tuple[int, Any]] = []  # launched, not yet waited on
+        self.bound_works: list[tuple[Any, str]] = []  # launched, not yet waited on
 
     def tree(self, like: Any = None) -> Any:
         """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists)."""
@@ -119,7 +108,7 @@ class ScatterWindow(Window):
         self.staging: dict[int, torch.Tensor] = {}
         self.remaining = [len(b.members) for b in self.plan.buckets]
         self.launched = 0  # every buckets launched this step (a prefix of every_order)
-        self.in_flight: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
+        self.in_flight: list[tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def begin(self, count: int) -> None:
         """Refuse more than ``n`` micro-steps: every rank runs exactly ``n`` per window."""
@@ -157,8 +146,7 @@ class ScatterWindow(Window):
         """Leaf ``i``'s gradient for this micro-step is ``alpha * g``."""
         k = self.plan.bucket_of_leaf[i]
         if not self.every[k]:
-            s = self.sums[i]  # type: ignore[index]
-            s.add_(g, alpha=alpha)
+            self.sums[i].add_(g, alpha=alpha)  # type: ignore[index]
             return
         b = self.plan.buckets[k]
         buf = self.staging.get(k)
@@ -170,8 +158,10 @@ class ScatterWindow(Window):
         if alpha != 1:
             view.mul_(alpha)
         self.remaining[k] -= 1
-        if self.remaining[k] == 0:
-            self._launch_ready()
+        if self.remaining[k] == 0:  # launch the every buckets now complete, in order
+            order = self.every_order
+            while self.launched < len(order) and self.remaining[order[self.launched]] == 0:
+                self._launch_every(order[self.launched])
 
     def last(self) -> None:
         """The coming backward is the window's last: launch boundary buckets as they complete."""
@@ -185,13 +175,6 @@ class ScatterWindow(Window):
             if self.bound_remaining[k] == 0:
                 self._launch_bound(ready_only=True)
 
-    def _launch_ready(self) -> None:
-        while self.launched < len(self.every_order):
-            k = self.every_order[self.launched]
-            if self.remaining[k] > 0:
-                return
-            self._launch_every(k)
-
     def _launch_every(self, k: int) -> None:
         b = self.plan.buckets[k]
         buf = self.staging.pop(k, None)
@@ -203,15 +186,13 @@ class ScatterWindow(Window):
         target = region if self.steps == 0 else torch.empty_like(region)
         what = bucket_what("reduce_scatter", self.plan.buckets, k)
         work = self.comm.reduce_scatter(target, buf, what, "gradients (every)")
-        self.in_flight.append((k, work, target, buf))
+        self.in_flight.append((work, what, region, target, buf))
         self.launched += 1
 
-    def _fold(self, item: tuple[int, Any, torch.Tensor, torch.Tensor]) -> None:
-        k, work, target, _buf = item
-        self.comm.wait(work, bucket_what("reduce_scatter", self.plan.buckets, k))
-        b = self.plan.buckets[k]
-        region = self.out[b.shard][b.start : b.start + b.chunk]
-        if target.data_ptr() != region.data_ptr():
+    def _fold(self, item: tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        work, what, region, target, _buf = item  # _buf: the input lives until it is waited on
+        self.comm.wait(work, what)
+        if target is not region:
             region.add_(target)
 
     def step(self) -> None:
@@ -231,18 +212,15 @@ class ScatterWindow(Window):
             if ready_only and self.bound_remaining[k] > 0:
                 return
             while len(self.bound_works) >= MAX_IN_FLIGHT:  # the backend may copy each input
-                self._wait_bound()
+                self.comm.wait(*self.bound_works.pop(0))
             b = self.plan.buckets[k]
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
             what = bucket_what("reduce_scatter", self.plan.buckets, k)
-            self.bound_works.append((k, self.comm.reduce_scatter(region, buf, what, "gradients")))
+            work = self.comm.reduce_scatter(region, buf, what, "gradients")
+            self.bound_works.append((work, what))
             self.bound_launched += 1
-
-    def _wait_bound(self) -> None:
-        k, work = self.bound_works.pop(0)
-        self.comm.wait(work, bucket_what("reduce_scatter", self.plan.buckets, k))
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
@@ -264,7 +242,7 @@ class ScatterWindow(Window):
         fill_tail(tail, weight, failed)
         tail_work = self.comm.all_reduce(tail, "the weight all_reduce", "weight")
         while self.bound_works:
-            self._wait_bound()
+            self.comm.wait(*self.bound_works.pop(0))
         self.comm.wait(tail_work, "the weight all_reduce")
         total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
         with torch.no_grad():

@@ -1,9 +1,6 @@
 """Sharded params (FSDP / ZeRO style): each rank owns a flat, padded shard of every bucket.
 
-The params are cut into buckets as the data-parallel sync cuts them (reverse natural order of
-key paths, DDP's size rule), separately for each (parameter group, device, dtype). Each bucket is
-the concatenation of its leaves, padded to a multiple of the world size; rank ``r`` owns the
-``r``-th of its ``world`` equal chunks. A rank's shard tensor for a parameter group is the
+The buckets are `_shard_plan`'s. A rank's shard tensor for a parameter group is the
 concatenation of its chunks of that group's buckets, so that
 
 - ``all_gather_single(bucket, chunk)`` rebuilds a bucket, whose slices are the full params
@@ -14,7 +11,6 @@ concatenation of its chunks of that group's buckets, so that
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +19,7 @@ import torch.distributed as dist
 
 from . import _tree
 from ._checkpoint import check_like, check_meta
-from ._comm import Comm, bucket_what
+from ._comm import Comm, bucket_what, positive
 from ._errors import GradAccumError, describe
 from ._layout import make_layout
 from ._shard_plan import ShardPlan, make_shard_plan
@@ -31,7 +27,6 @@ from ._shard_plan import ShardPlan, make_shard_plan
 __all__ = ["Sharded", "shard"]
 
 FORMAT = "gradaccum.Sharded/1"
-DEFAULT_GROUP = "params"
 
 
 class Sharded:
@@ -72,22 +67,16 @@ class Sharded:
         >>> dist.destroy_process_group()
     """
 
-    def __init__(
-        self,
-        layout: Any,
-        plan: ShardPlan,
-        shards: tuple[torch.Tensor, ...],
-        group: Any,
-        rank: int,
-        world: int,
-        bucket_mb: float,
-    ) -> None:
-        self.layout, self.plan = layout, plan
-        self.shards = shards
+    def __init__(self, layout: Any, plan: ShardPlan, comm: Comm, bucket_mb: float) -> None:
+        self.layout, self.plan, self.bucket_mb = layout, plan, bucket_mb
+        self.shards = tuple(
+            torch.zeros(size, dtype=dt, device=dev)
+            for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
+        )
         """This rank's shard tensors, flat and padded: give them to the optimizer."""
         self.names = plan.names
         """The parameter group of each shard tensor."""
-        self.group, self.rank, self.world, self.bucket_mb = group, rank, world, bucket_mb
+        self.group, self.rank, self.world = comm.group, comm.rank, comm.world
 
     def __repr__(self) -> str:
         full = sum(s.numel() for s in self.layout.shapes)
@@ -139,18 +128,12 @@ class Sharded:
             for k, b in enumerate(plan.buckets):
                 full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
                 mine = self.shards[b.shard][b.start : b.start + b.chunk]
-                works.append(
-                    comm.all_gather(
-                        full,
-                        mine,
-                        bucket_what("all_gather", plan.buckets, k, "params bucket"),
-                        "params",
-                    )
-                )
+                what = bucket_what("all_gather", plan.buckets, k, "params bucket")
+                works.append((comm.all_gather(full, mine, what, "params"), what))
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
-            for k, w in enumerate(works):
-                comm.wait(w, bucket_what("all_gather", plan.buckets, k, "params bucket"))
+            for work, what in works:
+                comm.wait(work, what)
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -176,8 +159,6 @@ class Sharded:
         )
         for g, s in zip(grads, self.shards):
             s.grad = g
-
-    # -- checkpoints --------------------------------------------------------------------------
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -207,9 +188,8 @@ class Sharded:
         Raises:
             GradAccumError: The state was saved by another rank, with another world size or
                 another layout (params, parameter groups or ``bucket_mb``); the message names
-                the first difference. Resharding to another world size is not supported:
-                gather the params with the old world size and call
-                [`shard()`][gradaccum.shard] on them.
+                the first difference and the fix ([resharding is not
+                supported](../sharded.md#changing-the-number-of-ranks)).
         """
         where = "Sharded.load_state_dict(state_dict)"
         check_meta(where, state_dict, FORMAT, self._meta())
@@ -242,11 +222,6 @@ def shard(
     once it holds ``bucket_mb``), each bucket is padded to a multiple of the world size, and
     rank ``r`` keeps the ``r``-th chunk of each. Leaves of any size and any mix of floating
     dtypes work; padding is zero and stays zero.
-
-    The returned [`Sharded`][gradaccum.sync.Sharded] gives the optimizer its shard tensors and
-    rebuilds the full params with [`gather()`][gradaccum.sync.Sharded.gather]; pair it with a
-    [`reduce_scatter()`][gradaccum.reduce_scatter] sync, which returns the window's gradient
-    as shards.
 
     Args:
         params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]).
@@ -297,11 +272,7 @@ def shard(
         ```
     """
     where = "shard(params, group, bucket_mb=..., param_groups=..., src=...)"
-    if (
-        isinstance(bucket_mb, bool)
-        or not isinstance(bucket_mb, (int, float))
-        or not 0 < bucket_mb < math.inf
-    ):
+    if not positive(bucket_mb):
         raise ValueError(
             f"{where}: bucket_mb must be a positive, finite number of MiB, got "
             f"{describe(bucket_mb)}; pass e.g. bucket_mb=25."
@@ -321,7 +292,7 @@ def shard(
     lay = make_layout(where, params, None)
     names = []
     for path in lay.paths:
-        name = param_groups(path) if param_groups is not None else DEFAULT_GROUP
+        name = param_groups(path) if param_groups is not None else "params"
         if not isinstance(name, str):
             raise TypeError(
                 f"{where}: param_groups({path!r}) returned {describe(name)}; it must return a "
@@ -329,7 +300,7 @@ def shard(
             )
         names.append(name)
     comm = Comm(where, group)
-    pg, rank, world = comm.group, comm.rank, comm.world
+    rank, world = comm.rank, comm.world
     if src is not None and (
         isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world
     ):
@@ -341,10 +312,7 @@ def shard(
     dev = plan.devices[0] if plan.devices else torch.device("cpu")
     comm.agree(comm.probe(plan.description, dev), "params to shard")
     leaves = _tree.flatten(params)[0]
-    shards = tuple(
-        torch.zeros(size, dtype=dt, device=dev)
-        for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
-    )
+    sharded = Sharded(lay, plan, comm, float(bucket_mb))
     with torch.no_grad():
         for k, b in enumerate(plan.buckets):
             full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
@@ -353,7 +321,7 @@ def shard(
             if src is not None and world > 1:
                 what = bucket_what("broadcast", plan.buckets, k, "params bucket")
                 comm.wait(comm.broadcast(full, src, what, "params"), what)
-            shards[b.shard][b.start : b.start + b.chunk].copy_(
+            sharded.shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
-    return Sharded(lay, plan, shards, pg, rank, world, float(bucket_mb))
+    return sharded

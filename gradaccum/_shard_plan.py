@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ._buckets import Bucket, Plan, cut_runs, leaf_order
+from ._buckets import cut_runs, leaf_order, starts
 from ._errors import dtype_name
 
-__all__ = ["ShardBucket", "ShardPlan", "make_shard_plan", "wire_plan"]
+__all__ = ["ShardBucket", "ShardPlan", "make_shard_plan"]
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,7 @@ class ShardBucket:
     shard: int  # which shard tensor its chunk lives in
     members: tuple[int, ...]  # leaf indices, in bucket order
     offsets: tuple[int, ...]  # element offset of each member in the full bucket
-    numel: int  # data elements
-    padded: int  # numel rounded up to a multiple of the world size
+    padded: int  # its elements, rounded up to a multiple of the world size
     chunk: int  # padded // world: elements per rank
     start: int  # where this bucket's chunk starts in its shard tensor
     dtype: torch.dtype
@@ -42,7 +41,6 @@ class ShardBucket:
 class ShardPlan:
     """Which leaf is where, for one world size (internal; no communication)."""
 
-    world: int
     names: tuple[str, ...]  # parameter group of each shard tensor
     dtypes: tuple[torch.dtype, ...]  # dtype of each shard tensor
     devices: tuple[torch.device, ...]
@@ -58,27 +56,20 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
     for i in leaf_order(lay.paths):
         groups.setdefault((names[i], lay.devices[i], lay.dtypes[i]), []).append(i)
     buckets: list[ShardBucket] = []
-    shard_names, dtypes, devices, sizes = [], [], [], []
     bucket_of_leaf = [0] * len(lay.paths)
-    for s, ((name, dev, dt), idx) in enumerate(groups.items()):
+    for s, ((_, dev, dt), idx) in enumerate(groups.items()):
         start = 0
         nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
         for run in cut_runs(idx, nbytes, cap):
-            offs, off = [], 0
+            *offs, off = starts(lay, run)
             for i in run:
-                offs.append(off)
-                off += lay.shapes[i].numel()
                 bucket_of_leaf[i] = len(buckets)
             padded = -(-off // world) * world
             chunk = padded // world
-            buckets.append(
-                ShardBucket(s, tuple(run), tuple(offs), off, padded, chunk, start, dt, dev)
-            )
+            buckets.append(ShardBucket(s, tuple(run), tuple(offs), padded, chunk, start, dt, dev))
             start += chunk
-        shard_names.append(name)
-        dtypes.append(dt)
-        devices.append(dev)
-        sizes.append(start)
+    shard_names, devices, dtypes = zip(*groups) if groups else ((), (), ())
+    sizes = tuple(sum(b.chunk for b in buckets if b.shard == s) for s in range(len(groups)))
     desc = [
         f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} in parameter group {g!r}"
         for p, shape, dt, g in zip(lay.paths, lay.shapes, lay.dtypes, names)
@@ -89,20 +80,5 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
         for k, b in enumerate(buckets)
     )
     return ShardPlan(
-        world,
-        tuple(shard_names),
-        tuple(dtypes),
-        tuple(devices),
-        tuple(sizes),
-        tuple(buckets),
-        tuple(bucket_of_leaf),
-        tuple(desc),
+        shard_names, dtypes, devices, sizes, tuple(buckets), tuple(bucket_of_leaf), tuple(desc)
     )
-
-
-def wire_plan(plan: ShardPlan, extra: tuple[str, ...] = ()) -> Plan:
-    """The sharded buckets as a sync ``Plan`` (for the fingerprint and failure messages)."""
-    buckets = tuple(
-        Bucket(b.dtype, b.device, (), b.padded, b.nbytes, False) for b in plan.buckets
-    ) or (Bucket(torch.float64, torch.device("cpu"), (), 0, 0, False),)
-    return Plan(buckets, (), (), (), (*plan.description, *extra))
