@@ -189,7 +189,7 @@ class LossScale:
             (
                 "growth_factor",
                 self.growth_factor,
-                _finite_at_least_1,
+                lambda v: 1 <= v < math.inf,
                 "a finite number >= 1",
                 "pass e.g. growth_factor=2.0 (the default), or 1.0 to never grow the scale",
             ),
@@ -275,7 +275,9 @@ class LossScale:
             out = [g * inv for g in leaves]
             if out:
                 device = out[0].device
-                peaks = torch.stack([m.to(device, torch.float32) for m in _amax(out)])
+                # max |g| per leaf: NaN propagates, finite values do not overflow
+                amax = torch._foreach_norm(out, float("inf"))
+                peaks = torch.stack([m.to(device, torch.float32) for m in amax])
                 bad = (~torch.isfinite(peaks)).any().to(torch.float32).reshape(1)
             else:
                 bad = torch.zeros(1)
@@ -295,7 +297,6 @@ class LossScale:
         return _tree.unflatten(spec, out), finite, new
 
 
-# A checkpoint holding a LossScaleState loads with torch.load(path, weights_only=True).
 torch.serialization.add_safe_globals([LossScaleState])
 
 
@@ -317,12 +318,3 @@ def _check_group(where: str, group: Any, meaning: str) -> None:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite_at_least_1(value: float) -> bool:
-    return 1 <= value < math.inf
-
-
-def _amax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Max absolute value per tensor (NaN propagates; no overflow for finite values)."""
-    return list(torch._foreach_norm(tensors, float("inf")))

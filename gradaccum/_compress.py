@@ -32,6 +32,27 @@ def _groups(leaves: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype]
     return out
 
 
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy the consecutive pieces of the 1-D ``flat`` into ``tensors``."""
+    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def finite_number(value: object, low: float, *, strict: bool) -> bool:
+    """Whether ``value`` is an int or float (not a bool), finite, and above (or at) ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (low < value if strict else low <= value) and value < math.inf  # NaN fails both
+
+
+def check_seed(where: str, seed: object) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(
+            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
+            f"e.g. seed=0."
+        )
+
+
 def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
     """Sum ``tensors`` over ``pg`` in place: one ``all_reduce`` per (device, dtype), flat."""
     if pg is None:
@@ -40,11 +61,7 @@ def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         record("all_reduce", pg, flat.dtype, flat.numel(), purpose)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
-        off = 0
-        for i in idx:
-            t = tensors[i]
-            t.copy_(flat[off : off + t.numel()].view_as(t))
-            off += t.numel()
+        _copy_back(flat, [tensors[i] for i in idx])
 
 
 def compressed_all_reduce(
@@ -98,11 +115,7 @@ def compressed_all_reduce(
             f"{where}: dtype must be torch.bfloat16 or torch.float16, got {describe(dtype)}; "
             f"for an exact reduction use gradaccum.all_reduce()."
         )
-    if (
-        isinstance(bucket_mb, bool)
-        or not isinstance(bucket_mb, (int, float))
-        or not 0 < bucket_mb < math.inf  # refuses NaN and inf too
-    ):
+    if not finite_number(bucket_mb, 0, strict=True):
         raise ValueError(
             f"{where}: bucket_mb must be a positive, finite number of MiB, got "
             f"{describe(bucket_mb)}; pass e.g. bucket_mb=25 (DDP's default)."
@@ -129,11 +142,7 @@ def compressed_all_reduce(
                 works.append((work, flat, run))
         for work, flat, run in works:
             work.wait()
-            off = 0
-            for i in run:
-                g = leaves[i]
-                g.copy_(flat[off : off + g.numel()].view_as(g))
-                off += g.numel()
+            _copy_back(flat, [leaves[i] for i in run])
         return _tree.unflatten(spec, leaves), state
 
     low_precision_sum.__name__ = f"compressed_all_reduce({dtype_name(dtype)})"
@@ -186,50 +195,40 @@ def topk_all_reduce(
         >>> dist.destroy_process_group()
     """
     where = "topk_all_reduce(ratio, group=...)"
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+    if not finite_number(ratio, 0, strict=True) or ratio > 1:
         raise ValueError(
             f"{where}: ratio must be a fraction in (0, 1], got {describe(ratio)}; pass e.g. "
             f"ratio=0.01 to send 1% of the elements."
         )
 
-    def init(zeros: Any) -> Any:
-        return zeros
-
     def topk_sum(grads: Any, errors: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         errs = _tree.flatten(errors)[0]
-        world = dist.get_world_size(pg) if pg is not None else 1
-        for _, idx in _groups(leaves).items():
+        for idx in _groups(leaves).values():
             flat = torch.cat([(leaves[i] + errs[i]).reshape(-1) for i in idx])
             k = max(1, math.ceil(ratio * flat.numel()))
             top = torch.topk(flat.abs(), k, sorted=False).indices
             values = flat[top]
             flat.index_fill_(0, top, 0)  # the error: what is not sent now
-            got_v = torch.empty(world * k, dtype=values.dtype, device=values.device)
-            got_i = torch.empty(world * k, dtype=torch.int64, device=values.device)
-            if pg is not None:
-                record("all_gather", pg, values.dtype, world * k, "gradients (top-k values)")
-                record("all_gather", pg, torch.int64, world * k, "gradients (top-k indices)")
             if pg is None:  # one process: what is sent is what arrives
-                got_v.copy_(values)
-                got_i.copy_(top)
+                got_v, got_i = values, top
             else:
+                size = dist.get_world_size(pg) * k
+                got_v = torch.empty(size, dtype=values.dtype, device=values.device)
+                got_i = torch.empty(size, dtype=torch.int64, device=values.device)
+                record("all_gather", pg, values.dtype, size, "gradients (top-k values)")
+                record("all_gather", pg, torch.int64, size, "gradients (top-k indices)")
                 gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                 w1 = gather(got_v, values, group=pg, async_op=True)
                 w2 = gather(got_i, top, group=pg, async_op=True)
                 w1.wait()
                 w2.wait()
-            dense = torch.zeros_like(flat).index_add_(0, got_i, got_v)
-            off = 0
-            for i in idx:
-                m = leaves[i].numel()
-                leaves[i].copy_(dense[off : off + m].view_as(leaves[i]))
-                errs[i].copy_(flat[off : off + m].view_as(errs[i]))
-                off += m
+            _copy_back(torch.zeros_like(flat).index_add_(0, got_i, got_v), [leaves[i] for i in idx])
+            _copy_back(flat, [errs[i] for i in idx])
         return _tree.unflatten(spec, leaves), errors
 
     topk_sum.__name__ = f"topk_all_reduce(ratio={ratio:g})"
-    return custom_reduce(topk_sum, init=init, group=group, timeout=timeout)
+    return custom_reduce(topk_sum, init=lambda zeros: zeros, group=group, timeout=timeout)
 
 
 def powersgd(
@@ -280,11 +279,7 @@ def powersgd(
         raise ValueError(
             f"{where}: rank must be a positive int, got {describe(rank)}; pass e.g. 4."
         )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(
-            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
-            f"e.g. seed=0."
-        )
+    check_seed(where, seed)
 
     def shape2(g: torch.Tensor) -> tuple[int, int] | None:
         if g.dim() < 2:

@@ -11,14 +11,13 @@ stays identical on every rank).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from . import _tree
-from ._compress import sum_flat
+from ._compress import check_seed, finite_number, sum_flat
 from ._custom import CustomReduce, custom_reduce
 from ._errors import describe
 
@@ -29,15 +28,8 @@ T = TypeVar("T")
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: mixes (seed, window) into one generator seed
 
 
-def _number(value: object, low: float, *, strict: bool) -> bool:
-    """Whether ``value`` is an int or float (not a bool), finite, and above (or at) ``low``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return (low < value if strict else low <= value) and value < math.inf  # NaN fails both
-
-
 def _positive(where: str, name: str, value: object, example: str) -> float:
-    if not _number(value, 0, strict=True):
+    if not finite_number(value, 0, strict=True):
         raise ValueError(
             f"{where}: {name} must be a positive, finite number, got {describe(value)}; pass "
             f"e.g. {name}={example}."
@@ -75,11 +67,11 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
     bound = _positive(where, "max_norm", max_norm, "1.0")
 
     def clipped_sum(grads: T) -> T:
-        leaves, spec = _tree.flatten(grads)
+        paths, leaves, spec = _tree.flatten_with_paths(grads)
         if not leaves:
             return grads
         rows = leaves[0].shape[0] if leaves[0].dim() else -1
-        for path, g in zip(_tree.flatten_with_paths(grads)[0], leaves):
+        for path, g in zip(paths, leaves):
             if not isinstance(g, torch.Tensor) or g.dim() == 0 or g.shape[0] != rows:
                 raise ValueError(
                     f"{where}: every gradient leaf needs the same leading sample dimension, but "
@@ -159,7 +151,7 @@ def dp_noise(
         tensor([-0.6000,  0.0000])
     """
     where = "dp_noise(noise_multiplier, max_norm, expected_batch_size, seed=...)"
-    if not _number(noise_multiplier, 0, strict=False):
+    if not finite_number(noise_multiplier, 0, strict=False):
         raise ValueError(
             f"{where}: noise_multiplier must be a finite number >= 0 (0: no noise), got "
             f"{describe(noise_multiplier)}; pass the sigma your privacy accountant gives, e.g. "
@@ -167,11 +159,7 @@ def dp_noise(
         )
     bound = _positive(where, "max_norm", max_norm, "1.0")
     size = _positive(where, "expected_batch_size", expected_batch_size, "256")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(
-            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
-            f"e.g. seed=0."
-        )
+    check_seed(where, seed)
     std = float(noise_multiplier) * bound
 
     def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:

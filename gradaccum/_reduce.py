@@ -1,17 +1,9 @@
 """Reductions: how micro-batch gradients and aux outputs combine into the window's result.
 
-A micro-batch ``i`` contributes ``alpha_i * g_i`` to the running sum and ``w_i`` to the running
-weight; at the boundary the sum is divided by the total weight (or not, for ``sum``):
-
-============  =======================  ==========  =============================
-reduction     step_fn returns          alpha_i     result
-============  =======================  ==========  =============================
-``mean``      grad of the mean loss    rows_i      sum(rows_i g_i) / sum(rows_i)
-``sum``       grad of any loss         1           sum(g_i)
-``count``     grad of a summed loss    1           sum(g_i) / sum(count_i)
-============  =======================  ==========  =============================
-
-Each row is the gradient over the whole batch, however it is split.
+A micro-batch ``i`` adds ``alpha_i * g_i`` to the running sum and ``w_i`` to the running weight;
+the boundary divides the sum by the total weight (not for ``sum``). The table of ``alpha_i``,
+``w_i`` and the result per reduction is in docs/concepts.md ("Why the result equals the whole
+batch").
 """
 
 from __future__ import annotations
@@ -65,31 +57,26 @@ def check_count(where: str, count: object) -> Weight:
         ValueError: f(count): the count must be a finite number >= 0, got nan; return the ...
     """
     if isinstance(count, torch.Tensor):
-        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
-            raise TypeError(
-                f"{where}: the count must be a number or a one-element real tensor, got "
-                f"{describe(count)}; return the number of items the summed loss covers, e.g. "
-                f"(labels != pad_id).sum()."
+        if count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
+            return count.detach().reshape(())
+    elif not isinstance(count, bool) and isinstance(count, (int, float)):
+        if isinstance(count, float) and not math.isfinite(count):
+            raise ValueError(
+                f"{where}: the count must be a finite number >= 0, got {count!r}; return the "
+                f"number of items the summed loss covers, e.g. (labels != pad_id).sum(), as a "
+                f"finite number (a NaN count often comes from a mean or a division by 0 upstream)."
             )
-        return count.detach().reshape(())
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
-        raise TypeError(
-            f"{where}: the count must be a number or a one-element real tensor, got "
-            f"{describe(count)}; return the number of items the summed loss covers, e.g. "
-            f"(labels != pad_id).sum()."
-        )
-    if isinstance(count, float) and not math.isfinite(count):
-        raise ValueError(
-            f"{where}: the count must be a finite number >= 0, got {count!r}; return the number "
-            f"of items the summed loss covers, e.g. (labels != pad_id).sum(), as a finite number "
-            f"(a NaN count often comes from a mean or a division by 0 upstream)."
-        )
-    if count < 0:
-        raise ValueError(
-            f"{where}: the count must be >= 0, got {count!r}; return the number of items the "
-            f"summed loss covers."
-        )
-    return count
+        if count < 0:
+            raise ValueError(
+                f"{where}: the count must be >= 0, got {count!r}; return the number of items the "
+                f"summed loss covers."
+            )
+        return count
+    raise TypeError(
+        f"{where}: the count must be a number or a one-element real tensor, got "
+        f"{describe(count)}; return the number of items the summed loss covers, e.g. "
+        f"(labels != pad_id).sum()."
+    )
 
 
 def check_aux_reduction(where: str, spec: Any) -> None:
@@ -167,10 +154,7 @@ class AuxAccumulator:
         self._kinds = kinds
 
     def add(self, aux: Any, size: int, count: Weight | None, raw_count: object = None) -> None:
-        """Fold one micro-batch's aux in: ``size`` rows, ``count`` (for ``count``) items.
-
-        ``raw_count`` is what ``count(aux)`` returned, before validation.
-        """
+        """Fold one micro-batch's aux in; ``raw_count`` is ``count(aux)`` before validation."""
         if self._kinds is None:
             self._start(aux, raw_count)
         leaves, treespec = _tree.flatten(aux)
@@ -193,11 +177,9 @@ class AuxAccumulator:
                 )
             if kind == "mean":
                 value: Any = leaf * size
-            elif kind in ("sum", "count"):
-                value = leaf
             elif kind in ("concat", "stack"):
                 value = self._joinable(i, kind, leaf, None if first else self._acc[i])
-            else:  # last
+            else:  # sum, count, last
                 value = leaf
             if first:
                 self._acc.append([value] if kind in ("concat", "stack") else value)
@@ -255,15 +237,10 @@ class AuxAccumulator:
             elif kind == "count":
                 value = value / self._count_total
             elif kind in ("concat", "stack"):
-                value = _join(kind, cast(list[torch.Tensor], value))
+                join = torch.stack if kind == "stack" or value[0].dim() == 0 else torch.cat
+                value = join(value)
             out.append(value)
         return _tree.unflatten(self._treespec, out)
-
-
-def _join(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    if kind == "stack" or tensors[0].dim() == 0:
-        return torch.stack(tensors)
-    return torch.cat(tensors)
 
 
 def first_add(
@@ -272,11 +249,7 @@ def first_add(
     alpha: float,
     out: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """``alpha * grads`` in ``dtypes`` (one copy, no memset); call under no_grad.
-
-    Written into ``out`` if given (uninitialised buffers, e.g. views of flat buckets), else into
-    new tensors.
-    """
+    """``alpha * grads`` in ``dtypes``, into ``out`` (uninitialised) or new tensors; no_grad."""
     if out is None:
         sums = [g.to(d, copy=True) for g, d in zip(grads, dtypes)]
     else:

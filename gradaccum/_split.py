@@ -1,10 +1,7 @@
-"""Split a batch pytree into micro-batches along dim 0.
+"""Split a batch pytree into micro-batches along dim 0 (views, no copies).
 
-An even split uses einops (``(n b) ... -> n b ...``) and yields views, no copies. When ``n`` does
-not divide the batch, the first ``B % n`` micro-batches get one extra row (as
-``numpy.array_split``); the reductions weight every micro-batch by its real size, so the result is
-still exact. Tensor leaves are split; every other leaf (an int, a string, a flag) is passed
-unchanged to every micro-batch.
+Tensor leaves are split, other leaves go whole to every micro-batch; uneven splits are as
+``numpy.array_split`` (docs/concepts.md, "Uneven splits").
 """
 
 from __future__ import annotations
@@ -87,10 +84,7 @@ class MicroBatches(Generic[B]):
 def _check_structure(
     where: str, batches: Sequence[Any], i: int, first: Any, spec: Any = None
 ) -> None:
-    """Refuse micro-batch ``i`` when its tree differs from micro-batch 0's (structure ``first``).
-
-    ``spec`` is micro-batch ``i``'s structure when the caller has it already.
-    """
+    """Refuse micro-batch ``i`` when its structure (``spec``, if known) is not ``first``."""
     spec = _tree.flatten(batches[i])[1] if spec is None else spec
     if spec != first:
         raise ValueError(
@@ -103,7 +97,7 @@ def _check_structure(
 
 
 def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
-    """Flatten ``batch`` and return (paths, leaves, spec, rows along dim 0), validating it."""
+    """Flatten and validate ``batch``: (paths, leaves, spec, rows along dim 0)."""
     paths, leaves, spec = _tree.flatten_with_paths(batch)
     rows: int | None = None
     first_path = ""
