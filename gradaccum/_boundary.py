@@ -1,10 +1,4 @@
-"""Boundary transforms: pure functions on a window's (synchronised) gradients.
-
-They run after the boundary, on what [`accumulate()`][gradaccum.accumulate] or
-[`Accumulator.finalize()`][gradaccum.Accumulator.finalize] returned, and before the optimizer
-step. After an ``all_reduce`` sync the gradients are identical on every rank, so each rank
-computes the same norm and the same found-inf decision without communicating.
-"""
+"""Boundary transforms: pure functions on a window's gradients, before the optimizer step."""
 
 from __future__ import annotations
 
@@ -130,10 +124,8 @@ class LossScale:
     and decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
     every rank, so the decision is the same everywhere: every rank skips the step or none does. The
     rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it after
-    ``growth_interval`` finite windows in a row. Unlike ``GradScaler``, whose scale can back off to
-    0 (after which every window is skipped), the scale never goes below ``min_scale``: windows that
-    keep overflowing keep being skipped at that scale, and each ``unscale()`` still returns
-    ``finite=False`` for them. A growth that would make the scale infinite leaves it as it is.
+    ``growth_interval`` finite windows in a row; but the scale never backs off below
+    ``min_scale`` (``GradScaler``'s can reach 0) nor grows to infinity.
 
     Args:
         init_scale: The first scale, a finite number ``>= min_scale``.

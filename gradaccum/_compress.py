@@ -1,9 +1,7 @@
 """Built-in boundary reductions that send fewer bytes: low precision, top-k, PowerSGD.
 
-Each is a [`custom_reduce()`][gradaccum.custom_reduce] whose function gets this rank's share of
-the window's gradient (already divided by the global weight, in the accumulation dtype) and
-returns the estimated sum over the group. Accumulation stays in float32 (or wider) locally;
-only what crosses the wire is compressed.
+Each is a `custom_reduce()` whose function gets this rank's share (already divided by the global
+weight, in the accumulation dtype) and returns the estimated sum over the group.
 """
 
 from __future__ import annotations
@@ -73,14 +71,11 @@ def compressed_all_reduce(
 ) -> CustomReduce:
     """All-reduce the window's gradient in bfloat16 or float16: half the bytes of float32.
 
-    The running sums stay in float32 (or wider) through the window; at the boundary this rank's
-    share (the sums divided by the global weight, so values are at the scale of the gradient)
-    is cast to ``dtype``, summed over the group with one ``all_reduce`` per bucket, and cast
-    back. The error is that of rounding the shares and their sum to ``dtype``: a relative
-    error of about ``2**-8`` (bfloat16) or ``2**-11`` (float16) per element. bfloat16 has
-    float32's range; float16 overflows above 65504 and flushes magnitudes below about 6e-8 to
-    zero, so prefer bfloat16 unless you know the gradient's range. This is DDP's
-    ``bf16_compress_hook`` / ``fp16_compress_hook``, as a pure boundary reduction.
+    DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` as a pure boundary reduction: the sums
+    stay in float32 (or wider); at the boundary this rank's share is cast to ``dtype``, summed
+    with one ``all_reduce`` per bucket, and cast back. Prefer bfloat16 unless you know the
+    gradient's range (float16 overflows above 65504); the rounding error and the two types'
+    ranges are in [Built-in reductions](../reductions.md#built-in-reductions).
 
     Args:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
@@ -157,18 +152,14 @@ def topk_all_reduce(
 ) -> CustomReduce:
     """Send only the largest ``ratio`` of the gradient's elements, with error feedback.
 
-    At the boundary each rank adds its error-feedback buffer to its share of the window's
-    gradient, keeps the ``k = ceil(ratio * numel)`` elements of largest magnitude (over all
-    leaves of a dtype together), all-gathers their values and indices, and sums what every rank
-    sent into a dense gradient. What it did not send stays in its error-feedback buffer and is
-    added to the next window's share (Stich et al. 2018; Lin et al. 2018, "Deep Gradient
-    Compression"), so nothing is lost, only delayed. ``ratio=1`` is an exact all-reduce (up to
-    summation order).
-
-    Bytes per rank and window: ``k`` values and ``k`` int64 indices, all-gathered:
-    ``W k (itemsize + 8)`` bytes received, against ``numel itemsize`` for a dense all-reduce.
-    The state is the error-feedback buffers, one per leaf, in the accumulation dtype; with
-    [`Accumulator`][gradaccum.Accumulator] it is checkpointed in ``AccumState.reduce_state``.
+    Each rank adds its error-feedback buffer to its share, all-gathers the values and int64
+    indices of its ``k = ceil(ratio * numel)`` largest elements (over all leaves of a dtype) and
+    sums what every rank sent; what it did not send stays in the buffer for the next window
+    (Stich et al. 2018), so nothing is lost, only delayed. ``ratio=1`` is exact up to summation
+    order. The state is the buffers, one per leaf in the accumulation dtype (with
+    [`Accumulator`][gradaccum.Accumulator], in ``AccumState.reduce_state``). Bytes
+    (``W k (itemsize + 8)`` received per rank) and accuracy:
+    [Built-in reductions](../reductions.md#built-in-reductions).
 
     Args:
         ratio: The fraction of elements to send, in ``(0, 1]``.

@@ -1,12 +1,6 @@
 """DP-SGD: per-sample clipping (a micro-batch transform) and one noise draw per window (a boundary).
 
-Abadi et al. 2016, "Deep Learning with Differential Privacy": each sample's gradient is clipped
-to norm ``C``, the clipped gradients are summed over the whole (logical) batch, Gaussian noise of
-standard deviation ``sigma * C`` is added once, and the result is divided by the expected batch
-size ``L``. With gradient accumulation the batch spans micro-batches and ranks: clipping happens
-per micro-batch, the sum at the boundary, and the noise once per window, after the sum, drawn
-from a generator that every rank seeds alike (so every rank adds the same noise, and the model
-stays identical on every rank).
+Abadi et al. 2016; docs/reductions.md ("Differential privacy") says where each piece goes.
 """
 
 from __future__ import annotations
@@ -100,20 +94,14 @@ def dp_noise(
 ) -> CustomReduce:
     """The DP-SGD boundary: sum over the group, add Gaussian noise once, divide by ``L``.
 
-    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``. Use it with
-    ``reduction="sum"`` and [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the
-    ``micro_transform``, so that the window's local sums are sums of clipped per-sample
-    gradients. At the boundary they are summed exactly over the group (one flat ``all_reduce``
-    per dtype), then every element gets Gaussian noise of standard deviation
-    ``noise_multiplier * max_norm``, drawn **once per window** from a CPU generator seeded with
-    ``(seed, window)``, identical on every rank, and the result is divided by
-    ``expected_batch_size`` (not by the rows actually seen, as DP-SGD with Poisson sampling
-    requires). The window index is the state, so a checkpointed run resumes with the same noise.
-
-    The result: ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``. The
-    privacy accounting (choosing ``noise_multiplier`` for an (epsilon, delta) budget from the
-    sampling rate and the number of steps) is not done here; use an accountant such as Opacus'
-    RDP accountant with the same ``noise_multiplier`` and sampling rate.
+    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``, with ``reduction="sum"`` and
+    [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the ``micro_transform``. The
+    result is ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``: an exact sum
+    over the group (one flat ``all_reduce`` per dtype), then noise drawn **once per window** from
+    a CPU generator seeded with ``(seed, window)``, the same on every rank, then a division by
+    ``expected_batch_size`` (not by the rows seen, as Poisson sampling requires). The window
+    index is the state, so a resumed run draws the same noise. The privacy accounting is not
+    done here: see [Differential privacy](../reductions.md#differential-privacy-dp-sgd).
 
     Args:
         noise_multiplier: ``sigma``, the noise standard deviation in units of ``max_norm``.

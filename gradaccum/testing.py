@@ -37,12 +37,9 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def _coarsest(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The less precise of two dtypes (the one with the larger machine epsilon)."""
-    if not a.is_floating_point:
-        return b
-    if not b.is_floating_point:
-        return a
-    return b if torch.finfo(b).eps > torch.finfo(a).eps else a
+    """The less precise of two dtypes (larger machine epsilon); a floating one over another."""
+    floats = [d for d in (a, b) if d.is_floating_point]
+    return max(floats, key=lambda d: torch.finfo(d).eps, default=b)
 
 
 def _default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -87,11 +84,9 @@ class LeafDiff:
     @property
     def rel_err(self) -> float:
         """``max_abs_err / max|reference|`` (0 when both are 0)."""
-        return (
-            self.max_abs_err / self.scale
-            if self.scale
-            else (0.0 if not self.max_abs_err else float("inf"))
-        )
+        if self.scale:
+            return self.max_abs_err / self.scale
+        return float("inf") if self.max_abs_err else 0.0
 
     @property
     def ok(self) -> bool:
@@ -215,19 +210,11 @@ def compare(
         dtype = _coarsest(r.dtype, a.dtype)
         dr, da = r.detach(), a.detach().to(r.dtype)
         d_rtol, d_atol = _default_tolerances(dtype)
+        tols = (d_rtol if rtol is None else rtol, d_atol if atol is None else atol)
         wide = torch.float64 if dr.device.type != "mps" else torch.float32
         err = (da.to(wide) - dr.to(wide)).abs().max().item() if dr.numel() else 0.0
         scale = dr.to(wide).abs().max().item() if dr.numel() else 0.0
-        diffs.append(
-            LeafDiff(
-                path,
-                dtype,
-                err,
-                scale,
-                d_rtol if rtol is None else rtol,
-                d_atol if atol is None else atol,
-            )
-        )
+        diffs.append(LeafDiff(path, dtype, err, scale, *tols))
     return Comparison(tuple(diffs), n)
 
 
