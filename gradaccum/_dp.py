@@ -153,8 +153,7 @@ def dp_noise(
     def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         sum_flat(leaves, pg, "gradients")  # exact: one flat all-reduce per dtype
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed((seed * _MIX + int(window)) % 2**63)
+        gen = torch.Generator(device="cpu").manual_seed((seed * _MIX + int(window)) % 2**63)
         for g in leaves:
             if std:
                 noise = torch.randn(g.shape, generator=gen, dtype=torch.float64) * std

@@ -12,8 +12,9 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor"]
+__all__ = ["GradAccumError", "check_not_dtensor", "describe"]
 
 
 class GradAccumError(RuntimeError):
@@ -41,15 +42,10 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
-    cls = type(value)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
-
-
 def check_not_dtensor(where: str, what: str, value: Any) -> None:
-    """Refuse a DTensor: gradaccum would compute wrong (all-zero) gradients for it today."""
-    if is_dtensor(value):
+    """Refuse a DTensor (found without importing it): its gradients would be all-zero today."""
+    cls = type(value)
+    if cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed"):
         raise GradAccumError(
             f"{where}: {what} is a DTensor (a parameter of a model wrapped with FSDP2's "
             f"torch.distributed.fsdp.fully_shard, or made by torch.distributed.tensor); "
@@ -91,8 +87,6 @@ def is_broken(group: Any) -> bool:
 def _resolve(group: Any) -> Any:
     if group is not None:
         return group
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         return None
     return dist.group.WORLD

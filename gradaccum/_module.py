@@ -56,10 +56,8 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if p.requires_grad:
             out[k] = p.detach()
     record = _HANDED_OUT.setdefault(module, {})
-    for k, t in out.items():
-        refs = [r for r in record.get(k, ()) if r() is not None]  # forget dropped dicts
-        refs.append(weakref.ref(t))
-        record[k] = refs
+    for k, t in out.items():  # the tensors of dropped dicts are forgotten
+        record[k] = [r for r in record.get(k, ()) if r() is not None] + [weakref.ref(t)]
     return out
 
 
@@ -162,13 +160,9 @@ def call_module(
     training mode updates its running statistics), which are returned instead of mutating the
     tensors passed in (``torch.func`` refuses such mutation). Return ``new_buffers`` in the aux
     of your loss, and commit them with [`update_buffers()`][gradaccum.update_buffers] after each
-    micro-batch, outside the gradient transform, so that statistics thread through the
-    micro-batches in order, as ``n`` forward passes of a hand-written loop would.
-
-    With [`accumulate()`][gradaccum.accumulate], commit them inside the step function (second
-    example) and return only the loss as aux. Do not return the buffers as aux of the accumulated
-    function: its aux reductions would average ``n`` updates made from the same starting
-    statistics instead of chaining them.
+    micro-batch, outside the gradient transform: inside the step function given to
+    [`accumulate()`][gradaccum.accumulate] (second example), not as its aux, whose reductions
+    would average ``n`` updates instead of chaining them.
 
     Args:
         module: The module whose forward to run.

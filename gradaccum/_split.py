@@ -65,7 +65,8 @@ class MicroBatches(Generic[B]):
             )
         first = _tree.flatten(batches[0])[1]
         for i in range(1, len(batches)):
-            _check_structure("MicroBatches(batches)", batches, i, first)
+            spec = _tree.flatten(batches[i])[1]
+            _check_structure("MicroBatches(batches)", batches, i, first, spec)
         self._batches = tuple(batches)
 
     def __len__(self) -> int:
@@ -81,11 +82,8 @@ class MicroBatches(Generic[B]):
         return f"MicroBatches(<{len(self._batches)} micro-batches>)"
 
 
-def _check_structure(
-    where: str, batches: Sequence[Any], i: int, first: Any, spec: Any = None
-) -> None:
-    """Refuse micro-batch ``i`` when its structure (``spec``, if known) is not ``first``."""
-    spec = _tree.flatten(batches[i])[1] if spec is None else spec
+def _check_structure(where: str, batches: Sequence[Any], i: int, first: Any, spec: Any) -> None:
+    """Refuse micro-batch ``i`` when its structure ``spec`` is not micro-batch 0's, ``first``."""
     if spec != first:
         raise ValueError(
             f"{where}: micro-batch {i} of the MicroBatches differs in structure from "

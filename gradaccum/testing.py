@@ -1,11 +1,7 @@
 """Check your own step function: accumulated gradient against the whole-batch gradient.
 
-``compare`` runs ``accumulate(step_fn, n)`` and ``step_fn`` on the whole batch and reports the
-worst leaf by key path, at tolerances chosen from the dtype. ``assert_equivalent`` raises when
-they differ. ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
-
-Things that make the two differ, on purpose: BatchNorm (statistics per micro-batch), dropout
-(different random draws), losses normalised per micro-batch (use ``reduction="count"``).
+``compare`` and ``assert_equivalent`` compare them leaf by leaf at tolerances chosen from the
+dtype; ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
 """
 
 from __future__ import annotations
@@ -22,12 +18,10 @@ from ._errors import dtype_name
 
 __all__ = ["Comparison", "LeafDiff", "assert_equivalent", "assert_finite", "compare", "nonfinite"]
 
-# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|, per leaf. The low-precision rows
-# are a little looser than torch.testing.assert_close's (bfloat16 1.6e-2 / 1e-5, float16 1e-3 /
-# 1e-5): a gradient entry is a sum over the batch, and where its terms cancel (a bias gradient
-# near 0) the rounding error follows the terms, not the small sum. With assert_close's values,
-# 1-2% of the leaves of correct float16/bfloat16 MLP steps failed; with these, none did (the
-# worst at 0.84 of the tolerance).
+# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|. The 16-bit rows are looser than
+# torch.testing.assert_close's: where a gradient entry's terms cancel, the rounding error follows
+# the terms, not the small sum; with assert_close's values 1-2% of the leaves of correct
+# float16/bfloat16 MLP steps failed, with these none did (the worst at 0.84 of the tolerance).
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-12),
     torch.float32: (1e-5, 1e-6),
@@ -162,16 +156,13 @@ def compare(
         batch: The whole batch (second argument).
         n: Micro-batches to split it into.
         *args: Further positional arguments of ``step_fn``.
-        rtol: Relative tolerance. Default: chosen per leaf from the less precise of the
-            accumulated and the reference gradient's dtypes: float64 1e-10, float32 1e-5,
-            float16 5e-3, bfloat16 2e-2 (other floating dtypes: twice their machine epsilon).
-            A leaf passes when ``max|acc - ref| <= atol + rtol * max|ref|`` over the leaf.
-            Gradients that are float32 but computed in lower precision (e.g. under
-            ``torch.autocast``) need the tolerances of the compute dtype: pass e.g.
-            ``rtol=2e-2, atol=1e-3`` for bfloat16.
-        atol: Absolute tolerance, for leaves whose entries sum terms that cancel. Default:
-            chosen per leaf like ``rtol``: float64 1e-12, float32 1e-6, float16 1e-4,
-            bfloat16 and other floating dtypes 1e-3.
+        rtol: Relative tolerance: a leaf passes when ``max|acc - ref| <= atol + rtol * max|ref|``.
+            Default: per leaf, from the less precise of the two gradients' dtypes: float64 1e-10,
+            float32 1e-5, float16 5e-3, bfloat16 2e-2, other floats twice their epsilon. For
+            float32 gradients computed in lower precision (``torch.autocast``) pass the compute
+            dtype's, e.g. ``rtol=2e-2, atol=1e-3`` for bfloat16.
+        atol: Absolute tolerance, for entries that sum terms that cancel. Default: per leaf,
+            float64 1e-12, float32 1e-6, float16 1e-4, bfloat16 and other floating dtypes 1e-3.
         **accumulate_kwargs: Keywords for [`accumulate()`][gradaccum.accumulate] (``has_aux``,
             ``reduction``, ``count``...).
 
