@@ -231,18 +231,14 @@ def powersgd(
 ) -> CustomReduce:
     """PowerSGD: low-rank compression of each matrix with one power iteration and error feedback.
 
-    Vogels et al. 2019. At the boundary each rank adds its error-feedback buffer to its share of
-    the window's gradient. Every leaf with 2 or more dims is viewed as a matrix ``M`` of
-    ``n = shape[0]`` rows and ``m`` columns; where a rank-``rank`` factorisation is smaller than
-    the matrix (``rank * (n + m) < n * m``), the ranks compute ``P = sum(M_i Q)`` (one
-    ``all_reduce`` for all matrices), orthonormalise ``P``, compute ``Q = sum(M_i^T P)`` (a second
-    ``all_reduce``) and return ``P Q^T``: the sum of the ranks' matrices projected on ``P``.
-    Each rank keeps what its projection missed, ``M_i - P P^T M_i``, in its error-feedback
-    buffer for the next window, so the returned gradients plus the buffers always add up to the
-    exact sums. ``Q`` is kept too (warm start: one power iteration per window converges over
-    windows). Vectors and small matrices are all-reduced exactly (a third ``all_reduce``).
-
-    Bytes per window: ``rank * (n + m)`` elements per compressed matrix, against ``n * m``.
+    Vogels et al. 2019. Each rank adds its error-feedback buffer to its share. A leaf of 2 or more
+    dims, viewed as a matrix ``M`` (``n = shape[0]`` rows, ``m`` columns), is compressed where
+    ``rank * (n + m) < n * m`` (the elements sent per window, against ``n * m``): the ranks
+    compute ``P = sum(M_i Q)`` (one ``all_reduce`` for all matrices), orthonormalise ``P``,
+    compute ``Q = sum(M_i^T P)`` (a second) and return ``P Q^T``, the sum of the ranks' matrices
+    projected on ``P``. Each rank keeps what its projection missed, ``M_i - P P^T M_i``, in its
+    buffer, so the returned gradients plus the buffers add up to the exact sums; ``Q`` is kept as
+    the next window's warm start. Vectors and small matrices are all-reduced exactly (a third).
 
     Args:
         rank: The rank of the approximation, a positive int (PowerSGD's paper uses 1 to 4).

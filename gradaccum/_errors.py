@@ -1,10 +1,4 @@
-"""Error types and message builders.
-
-Every message starts with the call shape, says what was expected and what came, and ends with
-the fix (see CONTRIBUTING.md). Builtin ``TypeError``/``ValueError`` are used for wrong kinds and
-values; [`GradAccumError`][gradaccum.GradAccumError] for mismatches between processes and saved
-state.
-"""
+"""Error types, message builders (the rules of a message: CONTRIBUTING.md), broken groups."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Interop with ``torch.nn.Module`` and ``torch.optim``.
-
-gradaccum works on pytrees of tensors. These helpers take a module's parameters and buffers
-out as dicts, run the module functionally (also inside ``torch.func`` transforms, BatchNorm
-included), and write gradients back into ``.grad`` so any ``torch.optim`` optimizer can step.
-"""
+"""Interop with ``torch.nn.Module`` and ``torch.optim``: dicts of tensors in, ``.grad`` out."""
 
 from __future__ import annotations
 

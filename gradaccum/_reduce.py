@@ -44,9 +44,8 @@ def check_reduction(where: str, reduction: object) -> Reduction:
 def check_count(where: str, count: object) -> Weight:
     """Validate one micro-batch's count (a number or a one-element real tensor), detached.
 
-    A Python number must be finite and ``>= 0``. A tensor count is checked for its kind and
-    size only: its value stays on the device (reading it would synchronise with the device
-    once per micro-batch), so a negative, NaN or infinite tensor count is not detected here.
+    A number must be finite and ``>= 0``; a tensor's value is not read (that would synchronise
+    with the device once per micro-batch), so a negative or NaN tensor count passes.
 
     Examples:
         >>> check_count("f(count)", 3)
@@ -100,19 +99,6 @@ class AuxAccumulator:
     ``count`` the leaf that ``count(aux)`` returns as is gets ``sum``: it reports the total
     count), one of ``AUX_REDUCTIONS``, or a pytree prefix of the aux whose leaves are those names.
     """
-
-    __slots__ = (
-        "_acc",
-        "_count_total",
-        "_default",
-        "_kinds",
-        "_paths",
-        "_reduction",
-        "_size_total",
-        "_spec",
-        "_treespec",
-        "_where",
-    )
 
     def __init__(self, where: str, spec: Any, reduction: Reduction) -> None:
         self._where = where
@@ -201,13 +187,11 @@ class AuxAccumulator:
         try:
             value = leaf if isinstance(leaf, torch.Tensor) else torch.as_tensor(leaf)
         except (TypeError, ValueError, RuntimeError):
-            value = None
-        if value is None:
             raise TypeError(
                 f"{self._where}: aux leaf {path} is {describe(leaf)}, which aux_reduction "
                 f"{kind!r} cannot {kind} into a tensor; return a tensor or a number there, or "
                 f"use aux_reduction 'last' for that leaf."
-            )
+            ) from None
         if not earlier:
             return value
         ref, mb = earlier[0], len(earlier)

@@ -251,11 +251,8 @@ def nonfinite(grads: Any) -> list[str]:
         ["['b']"]
     """
     paths, leaves, _ = _tree.flatten_with_paths(grads)
-    return [
-        p
-        for p, g in zip(paths, leaves)
-        if isinstance(g, torch.Tensor) and not bool(torch.isfinite(g).all())
-    ]
+    bad = [isinstance(g, torch.Tensor) and not bool(torch.isfinite(g).all()) for g in leaves]
+    return [p for p, b in zip(paths, bad) if b]
 
 
 def assert_finite(grads: Any) -> None:
