@@ -96,17 +96,20 @@ def _base(t: Any) -> Any:
 
 
 def _check_call(
-    where: str,
-    module: torch.nn.Module,
-    params: Mapping[str, Any],
-    buffers: Mapping[str, Any],
-    strict: bool,
+    module: torch.nn.Module, params: Mapping[str, Any], buffers: Mapping[str, Any], strict: bool
 ) -> None:
-    """Refuse keys the module does not have, missing trainable params, and stale params."""
+    """Refuse wrong kinds, keys the module does not have, missing trainable params, stale params."""
+    where = "call_module(module, params, buffers, ...)"
+    _check_module(where, module)
+    for name, value in (("params", params), ("buffers", buffers)):
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"{where}: {name} must be a dict of tensors by name, got {describe(value)}; pass "
+                f"gradaccum.{name}_of(module)."
+            )
     own = dict(module.named_parameters())
     if strict:
-        own_buffers = {k for k, _ in module.named_buffers()}
-        unknown = (set(params) | set(buffers)) - own.keys() - own_buffers
+        unknown = (set(params) | set(buffers)) - own.keys() - dict(module.named_buffers()).keys()
         missing = {k for k, v in own.items() if v.requires_grad} - set(params) - set(buffers)
         if unknown or missing:
             raise ValueError(
@@ -205,15 +208,7 @@ def call_module(
         >>> int(bn.num_batches_tracked)  # 1 + 4 micro-batches
         5
     """
-    where = "call_module(module, params, buffers, ...)"
-    _check_module(where, module)
-    for name, value in (("params", params), ("buffers", buffers)):
-        if not isinstance(value, Mapping):
-            raise TypeError(
-                f"{where}: {name} must be a dict of tensors by name, got {describe(value)}; pass "
-                f"gradaccum.{name}_of(module)."
-            )
-    _check_call(where, module, params, buffers, strict)
+    _check_call(module, params, buffers, strict)
     fresh = {k: v.clone() for k, v in buffers.items()}
     out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
     return out, fresh

@@ -135,11 +135,10 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
 
 
 def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tuple[Any, int]]:
-    """Split ``batch`` into micro-batches; return ``[(micro_batch, rows), ...]``.
+    """``[(micro_batch, rows), ...]`` of ``batch`` (a ``MicroBatches`` is validated, used as given).
 
-    ``batch`` may be a [`MicroBatches`][gradaccum.MicroBatches], which is validated and used as
-    given. With ``short_ok`` (data-parallel ranks, whose last batch may be short or empty), a
-    batch of fewer than ``n`` rows gives one micro-batch per row, and 0 rows none at all.
+    With ``short_ok`` (a data-parallel rank's short last batch), fewer than ``n`` rows give one
+    micro-batch per row, and 0 rows none.
     """
     if isinstance(batch, MicroBatches):
         out = []

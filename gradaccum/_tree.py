@@ -41,9 +41,7 @@ def map_(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
 def keystr(path: tuple[Any, ...]) -> str:
     """A key path as the user would index it: ``['layer']['weight']``; the root is ``<root>``."""
-    if not path:
-        return "<root>"
-    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path)
+    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path) or "<root>"
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], PyTreeSpec]:
@@ -61,8 +59,8 @@ def none_paths(tree: Any) -> list[str]:
 def first_difference(expected: Any, got: Any, *, prefix: bool = False) -> str:
     """Say where two trees first differ in structure, with the key path.
 
-    Returns a sentence fragment such as ``"at ['b']: expected a dict with keys ['x', 'y'], got
-    a dict with keys ['x']"``. With ``prefix=True``, a leaf of ``expected`` matches any subtree.
+    E.g. ``"at ['b']: expected a dict with keys ['x', 'y'], got a dict with keys ['x']"``. With
+    ``prefix=True``, a leaf of ``expected`` matches any subtree.
     """
 
     def node_desc(node: Any) -> str:

@@ -125,8 +125,7 @@ class Comparison:
         return max(self.leaves, key=badness)
 
     def __str__(self) -> str:
-        w = self.worst
-        verdict = "match" if self.ok else "DIFFER"
+        w, verdict = self.worst, "match" if self.ok else "DIFFER"
         return (
             f"accumulated (n={self.n}) and whole-batch gradients {verdict}: worst leaf {w.path} "
             f"({dtype_name(w.dtype)}): max abs error {w.max_abs_err:.3g}, relative "
@@ -186,18 +185,16 @@ def compare(
         (True, torch.bfloat16, 0.02, 0.001)
     """
     has_aux = accumulate_kwargs.get("has_aux", False)
-    reduction = accumulate_kwargs.get("reduction", "mean")
     acc_out = accumulate(step_fn, n, **accumulate_kwargs)(params, batch, *args)
     ref_out = step_fn(params, batch, *args)
     acc = acc_out[0] if has_aux else acc_out
     ref = ref_out[0] if has_aux else ref_out
-    if reduction == "count":
+    if accumulate_kwargs.get("reduction") == "count":
         total = accumulate_kwargs["count"](ref_out[1])
         ref = _tree.map_(lambda g: g / total, ref)
     paths, ref_leaves, _ = _tree.flatten_with_paths(ref)
-    acc_leaves, _ = _tree.flatten(acc)
     diffs = []
-    for path, r, a in zip(paths, ref_leaves, acc_leaves):
+    for path, r, a in zip(paths, ref_leaves, _tree.flatten(acc)[0]):
         dtype = _coarsest(r.dtype, a.dtype)
         dr, da = r.detach(), a.detach().to(r.dtype)
         d_rtol, d_atol = _default_tolerances(dtype)
