@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -170,32 +169,23 @@ class LossScale:
 
     def __post_init__(self) -> None:
         where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)"
-        checks: tuple[tuple[str, float, Callable[[float], bool], str, str], ...] = (
-            (
-                "init_scale",
-                self.init_scale,
-                lambda v: v > 0,
-                "a positive number",
-                "pass e.g. init_scale=2.0**16 (torch.amp.GradScaler's default)",
-            ),
-            (
-                "growth_factor",
-                self.growth_factor,
-                lambda v: 1 <= v < math.inf,
-                "a finite number >= 1",
-                "pass e.g. growth_factor=2.0 (the default), or 1.0 to never grow the scale",
-            ),
-            (
-                "backoff_factor",
-                self.backoff_factor,
-                lambda v: 0 < v <= 1,
-                "a number in (0, 1]",
-                "pass e.g. backoff_factor=0.5 (the default), or 1.0 to never back off",
-            ),
-        )
-        for name, value, ok, what, fix in checks:
-            if not _is_number(value) or not ok(value):
-                raise ValueError(f"{where}: {name} must be {what}, got {describe(value)}; {fix}.")
+        if not _is_number(self.init_scale) or not self.init_scale > 0:
+            raise ValueError(
+                f"{where}: init_scale must be a positive number, got {describe(self.init_scale)}; "
+                f"pass e.g. init_scale=2.0**16 (torch.amp.GradScaler's default)."
+            )
+        if not _is_number(self.growth_factor) or not 1 <= self.growth_factor < math.inf:
+            raise ValueError(
+                f"{where}: growth_factor must be a finite number >= 1, got "
+                f"{describe(self.growth_factor)}; pass e.g. growth_factor=2.0 (the default), or "
+                f"1.0 to never grow the scale."
+            )
+        if not _is_number(self.backoff_factor) or not 0 < self.backoff_factor <= 1:
+            raise ValueError(
+                f"{where}: backoff_factor must be a number in (0, 1], got "
+                f"{describe(self.backoff_factor)}; pass e.g. backoff_factor=0.5 (the default), or "
+                f"1.0 to never back off."
+            )
         if math.isinf(self.init_scale):
             raise ValueError(
                 f"{where}: init_scale must be a finite positive number, got "

@@ -295,10 +295,9 @@ def powersgd(
             g.add_(errs[i])
             if qs[i] is None:
                 dense.append(g)
-                continue
-            m = g.reshape(g.shape[0], -1)
-            mats.append(i)
-            ps.append(m @ qs[i])
+            else:
+                mats.append(i)
+                ps.append(g.reshape(g.shape[0], -1) @ qs[i])
         sum_flat(dense, pg, "gradients")
         sum_flat(ps, pg, "gradients (P)")
         new_q = []

@@ -56,11 +56,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Process groups on which one of gradaccum's collectives failed or timed out. Such a group cannot
-# be reused (the messages say so), so the error path does not try to join the window's boundary
-# on it: that would only wait for more timeouts. Weak references: a strong one would keep the
-# group's backend (and its gloo threads, possibly still inside an abandoned collective) alive
-# after destroy_process_group(), until interpreter exit, where such a thread aborts the process.
+# Groups on which a gradaccum collective failed or timed out: unusable (the messages say so), so
+# the error path does not join a boundary there (it would only wait for more timeouts). Weak: a
+# strong reference would keep the backend (and its gloo threads, maybe inside an abandoned
+# collective) alive after destroy_process_group(), until exit, where such a thread aborts.
 _BROKEN_GROUPS: list[weakref.ref[Any]] = []
 
 

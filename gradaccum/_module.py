@@ -219,9 +219,8 @@ def update_buffers(
 ) -> None:
     """Copy ``new_buffers`` into ``buffers`` in place.
 
-    ``buffers`` is a dict from [`buffers_of()`][gradaccum.buffers_of], or a module.
-
-    Call it outside ``torch.func`` transforms, after each micro-batch: see
+    ``buffers`` is a dict from [`buffers_of()`][gradaccum.buffers_of], or a module. Call it
+    outside ``torch.func`` transforms, after each micro-batch: see
     [`call_module()`][gradaccum.call_module].
 
     Examples:

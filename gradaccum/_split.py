@@ -50,9 +50,7 @@ class MicroBatches(Generic[B]):
     __slots__ = ("_batches",)
 
     def __init__(self, batches: Sequence[B]) -> None:
-        if isinstance(batches, (torch.Tensor, dict, str, bytes)) or not isinstance(
-            batches, Sequence
-        ):
+        if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
             raise TypeError(
                 f"MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
                 f"{describe(batches)}; wrap your micro-batches in a list: "
