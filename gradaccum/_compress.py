@@ -19,8 +19,6 @@ from ._record import record
 
 __all__ = ["compressed_all_reduce", "powersgd", "topk_all_reduce"]
 
-_LOW = (torch.bfloat16, torch.float16)
-
 
 def _groups(leaves: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     """Leaf indices by (device, dtype), in flat order (the same on every rank)."""
@@ -105,7 +103,7 @@ def compressed_all_reduce(
         >>> dist.destroy_process_group()
     """
     where = "compressed_all_reduce(dtype, group=..., bucket_mb=...)"
-    if dtype not in _LOW:
+    if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"{where}: dtype must be torch.bfloat16 or torch.float16, got {describe(dtype)}; "
             f"for an exact reduction use gradaccum.all_reduce()."

@@ -38,8 +38,7 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
     returns *per-sample* gradients (a leading sample dimension on every leaf), such as
     ``torch.func.vmap(torch.func.grad(loss_of_one_sample), in_dims=(None, 0))``. Each sample's
     gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is its 2-norm over
-    all leaves together, so that every sample contributes a vector of norm at most
-    ``max_norm``; the samples are then summed. Use it with ``reduction="sum"``.
+    all leaves together; the clipped samples are summed. Use it with ``reduction="sum"``.
 
     Args:
         max_norm: The clipping bound ``C``, a positive number.

@@ -27,8 +27,7 @@ class GradAccumError(RuntimeError):
 def describe(value: Any) -> str:
     """A short description of a value for error messages: type, and shape/dtype for tensors."""
     if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        return f"Tensor(shape={tuple(value.shape)}, dtype={dtype})"
+        return f"Tensor(shape={tuple(value.shape)}, dtype={dtype_name(value.dtype)})"
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, (bool, int, float, str)) or value is None:

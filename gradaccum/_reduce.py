@@ -95,9 +95,8 @@ def check_aux_reduction(where: str, spec: Any) -> None:
 class AuxAccumulator:
     """Combine aux pytrees over micro-batches, leaf by leaf.
 
-    ``spec`` is ``None`` (each leaf follows the gradient ``reduction``, except that under
-    ``count`` the leaf that ``count(aux)`` returns as is gets ``sum``: it reports the total
-    count), one of ``AUX_REDUCTIONS``, or a pytree prefix of the aux whose leaves are those names.
+    ``spec``: one of ``AUX_REDUCTIONS``, a tree prefix of the aux of those names, or ``None``: the
+    gradient ``reduction`` (under ``count``, the leaf ``count(aux)`` returns gets ``sum``).
     """
 
     def __init__(self, where: str, spec: Any, reduction: Reduction) -> None:
@@ -161,12 +160,9 @@ class AuxAccumulator:
                     f"aux_reduction {kind!r} cannot add; return a tensor or a number there, or "
                     f"use aux_reduction 'last' for that leaf."
                 )
-            if kind == "mean":
-                value: Any = leaf * size
-            elif kind in ("concat", "stack"):
+            value: Any = leaf * size if kind == "mean" else leaf
+            if kind in ("concat", "stack"):
                 value = self._joinable(i, kind, leaf, None if first else self._acc[i])
-            else:  # sum, count, last
-                value = leaf
             if first:
                 self._acc.append([value] if kind in ("concat", "stack") else value)
             elif kind in ("mean", "sum", "count"):

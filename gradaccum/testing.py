@@ -52,9 +52,8 @@ class LeafDiff:
     Attributes:
         path: The leaf's key path, e.g. ``['layer']['weight']``.
         dtype: The dtype that selects the default tolerances: the less precise of the
-            accumulated and the reference gradient's dtypes (they differ when ``step_fn``
-            returns, say, float32 gradients for bfloat16 params: the accumulated gradient is
-            returned in the params' dtype).
+            accumulated and the reference gradient's dtypes (they differ when ``step_fn`` returns,
+            say, float32 gradients for bfloat16 params: accumulated ones come in the params').
         max_abs_err: ``max |accumulated - reference|`` over the leaf.
         scale: ``max |reference|`` over the leaf.
         rtol: The relative tolerance used.
