@@ -1,15 +1,8 @@
-"""Boundary transforms: pure functions on a window's (synchronised) gradients.
-
-They run after the boundary, on what [`accumulate()`][gradaccum.accumulate] or
-[`Accumulator.finalize()`][gradaccum.Accumulator.finalize] returned, and before the optimizer
-step. After an ``all_reduce`` sync the gradients are identical on every rank, so each rank
-computes the same norm and the same found-inf decision without communicating.
-"""
+"""Boundary transforms: pure functions on a window's gradients, before the optimizer step."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -130,10 +123,8 @@ class LossScale:
     and decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
     every rank, so the decision is the same everywhere: every rank skips the step or none does. The
     rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it after
-    ``growth_interval`` finite windows in a row. Unlike ``GradScaler``, whose scale can back off to
-    0 (after which every window is skipped), the scale never goes below ``min_scale``: windows that
-    keep overflowing keep being skipped at that scale, and each ``unscale()`` still returns
-    ``finite=False`` for them. A growth that would make the scale infinite leaves it as it is.
+    ``growth_interval`` finite windows in a row; but the scale never backs off below
+    ``min_scale`` (``GradScaler``'s can reach 0) nor grows to infinity.
 
     Args:
         init_scale: The first scale, a finite number ``>= min_scale``.
@@ -178,32 +169,23 @@ class LossScale:
 
     def __post_init__(self) -> None:
         where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)"
-        checks: tuple[tuple[str, float, Callable[[float], bool], str, str], ...] = (
-            (
-                "init_scale",
-                self.init_scale,
-                lambda v: v > 0,
-                "a positive number",
-                "pass e.g. init_scale=2.0**16 (torch.amp.GradScaler's default)",
-            ),
-            (
-                "growth_factor",
-                self.growth_factor,
-                _finite_at_least_1,
-                "a finite number >= 1",
-                "pass e.g. growth_factor=2.0 (the default), or 1.0 to never grow the scale",
-            ),
-            (
-                "backoff_factor",
-                self.backoff_factor,
-                lambda v: 0 < v <= 1,
-                "a number in (0, 1]",
-                "pass e.g. backoff_factor=0.5 (the default), or 1.0 to never back off",
-            ),
-        )
-        for name, value, ok, what, fix in checks:
-            if not _is_number(value) or not ok(value):
-                raise ValueError(f"{where}: {name} must be {what}, got {describe(value)}; {fix}.")
+        if not _is_number(self.init_scale) or not self.init_scale > 0:
+            raise ValueError(
+                f"{where}: init_scale must be a positive number, got {describe(self.init_scale)}; "
+                f"pass e.g. init_scale=2.0**16 (torch.amp.GradScaler's default)."
+            )
+        if not _is_number(self.growth_factor) or not 1 <= self.growth_factor < math.inf:
+            raise ValueError(
+                f"{where}: growth_factor must be a finite number >= 1, got "
+                f"{describe(self.growth_factor)}; pass e.g. growth_factor=2.0 (the default), or "
+                f"1.0 to never grow the scale."
+            )
+        if not _is_number(self.backoff_factor) or not 0 < self.backoff_factor <= 1:
+            raise ValueError(
+                f"{where}: backoff_factor must be a number in (0, 1], got "
+                f"{describe(self.backoff_factor)}; pass e.g. backoff_factor=0.5 (the default), or "
+                f"1.0 to never back off."
+            )
         if math.isinf(self.init_scale):
             raise ValueError(
                 f"{where}: init_scale must be a finite positive number, got "
@@ -275,7 +257,9 @@ class LossScale:
             out = [g * inv for g in leaves]
             if out:
                 device = out[0].device
-                peaks = torch.stack([m.to(device, torch.float32) for m in _amax(out)])
+                # max |g| per leaf: NaN propagates, finite values do not overflow
+                amax = torch._foreach_norm(out, float("inf"))
+                peaks = torch.stack([m.to(device, torch.float32) for m in amax])
                 bad = (~torch.isfinite(peaks)).any().to(torch.float32).reshape(1)
             else:
                 bad = torch.zeros(1)
@@ -295,7 +279,6 @@ class LossScale:
         return _tree.unflatten(spec, out), finite, new
 
 
-# A checkpoint holding a LossScaleState loads with torch.load(path, weights_only=True).
 torch.serialization.add_safe_globals([LossScaleState])
 
 
@@ -317,12 +300,3 @@ def _check_group(where: str, group: Any, meaning: str) -> None:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite_at_least_1(value: float) -> bool:
-    return 1 <= value < math.inf
-
-
-def _amax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Max absolute value per tensor (NaN propagates; no overflow for finite values)."""
-    return list(torch._foreach_norm(tensors, float("inf")))

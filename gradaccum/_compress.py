@@ -1,9 +1,7 @@
 """Built-in boundary reductions that send fewer bytes: low precision, top-k, PowerSGD.
 
-Each is a [`custom_reduce()`][gradaccum.custom_reduce] whose function gets this rank's share of
-the window's gradient (already divided by the global weight, in the accumulation dtype) and
-returns the estimated sum over the group. Accumulation stays in float32 (or wider) locally;
-only what crosses the wire is compressed.
+Each is a `custom_reduce()` whose function gets this rank's share (already divided by the global
+weight, in the accumulation dtype) and returns the estimated sum over the group.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from ._record import record
 
 __all__ = ["compressed_all_reduce", "powersgd", "topk_all_reduce"]
 
-_LOW = (torch.bfloat16, torch.float16)
-
 
 def _groups(leaves: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     """Leaf indices by (device, dtype), in flat order (the same on every rank)."""
@@ -30,6 +26,27 @@ def _groups(leaves: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype]
     for i, g in enumerate(leaves):
         out.setdefault((g.device, g.dtype), []).append(i)
     return out
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy the consecutive pieces of the 1-D ``flat`` into ``tensors``."""
+    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def finite_number(value: object, low: float, *, strict: bool) -> bool:
+    """Whether ``value`` is an int or float (not a bool), finite, and above (or at) ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (low < value if strict else low <= value) and value < math.inf  # NaN fails both
+
+
+def check_seed(where: str, seed: object) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(
+            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
+            f"e.g. seed=0."
+        )
 
 
 def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
@@ -40,11 +57,7 @@ def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         record("all_reduce", pg, flat.dtype, flat.numel(), purpose)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
-        off = 0
-        for i in idx:
-            t = tensors[i]
-            t.copy_(flat[off : off + t.numel()].view_as(t))
-            off += t.numel()
+        _copy_back(flat, [tensors[i] for i in idx])
 
 
 def compressed_all_reduce(
@@ -56,14 +69,11 @@ def compressed_all_reduce(
 ) -> CustomReduce:
     """All-reduce the window's gradient in bfloat16 or float16: half the bytes of float32.
 
-    The running sums stay in float32 (or wider) through the window; at the boundary this rank's
-    share (the sums divided by the global weight, so values are at the scale of the gradient)
-    is cast to ``dtype``, summed over the group with one ``all_reduce`` per bucket, and cast
-    back. The error is that of rounding the shares and their sum to ``dtype``: a relative
-    error of about ``2**-8`` (bfloat16) or ``2**-11`` (float16) per element. bfloat16 has
-    float32's range; float16 overflows above 65504 and flushes magnitudes below about 6e-8 to
-    zero, so prefer bfloat16 unless you know the gradient's range. This is DDP's
-    ``bf16_compress_hook`` / ``fp16_compress_hook``, as a pure boundary reduction.
+    DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` as a pure boundary reduction: the sums
+    stay in float32 (or wider); at the boundary this rank's share is cast to ``dtype``, summed
+    with one ``all_reduce`` per bucket, and cast back. Prefer bfloat16 unless you know the
+    gradient's range (float16 overflows above 65504); the rounding error and the two types'
+    ranges are in [Built-in reductions](../reductions.md#built-in-reductions).
 
     Args:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
@@ -93,16 +103,12 @@ def compressed_all_reduce(
         >>> dist.destroy_process_group()
     """
     where = "compressed_all_reduce(dtype, group=..., bucket_mb=...)"
-    if dtype not in _LOW:
+    if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"{where}: dtype must be torch.bfloat16 or torch.float16, got {describe(dtype)}; "
             f"for an exact reduction use gradaccum.all_reduce()."
         )
-    if (
-        isinstance(bucket_mb, bool)
-        or not isinstance(bucket_mb, (int, float))
-        or not 0 < bucket_mb < math.inf  # refuses NaN and inf too
-    ):
+    if not finite_number(bucket_mb, 0, strict=True):
         raise ValueError(
             f"{where}: bucket_mb must be a positive, finite number of MiB, got "
             f"{describe(bucket_mb)}; pass e.g. bucket_mb=25 (DDP's default)."
@@ -129,11 +135,7 @@ def compressed_all_reduce(
                 works.append((work, flat, run))
         for work, flat, run in works:
             work.wait()
-            off = 0
-            for i in run:
-                g = leaves[i]
-                g.copy_(flat[off : off + g.numel()].view_as(g))
-                off += g.numel()
+            _copy_back(flat, [leaves[i] for i in run])
         return _tree.unflatten(spec, leaves), state
 
     low_precision_sum.__name__ = f"compressed_all_reduce({dtype_name(dtype)})"
@@ -148,18 +150,14 @@ def topk_all_reduce(
 ) -> CustomReduce:
     """Send only the largest ``ratio`` of the gradient's elements, with error feedback.
 
-    At the boundary each rank adds its error-feedback buffer to its share of the window's
-    gradient, keeps the ``k = ceil(ratio * numel)`` elements of largest magnitude (over all
-    leaves of a dtype together), all-gathers their values and indices, and sums what every rank
-    sent into a dense gradient. What it did not send stays in its error-feedback buffer and is
-    added to the next window's share (Stich et al. 2018; Lin et al. 2018, "Deep Gradient
-    Compression"), so nothing is lost, only delayed. ``ratio=1`` is an exact all-reduce (up to
-    summation order).
-
-    Bytes per rank and window: ``k`` values and ``k`` int64 indices, all-gathered:
-    ``W k (itemsize + 8)`` bytes received, against ``numel itemsize`` for a dense all-reduce.
-    The state is the error-feedback buffers, one per leaf, in the accumulation dtype; with
-    [`Accumulator`][gradaccum.Accumulator] it is checkpointed in ``AccumState.reduce_state``.
+    Each rank adds its error-feedback buffer to its share, all-gathers the values and int64
+    indices of its ``k = ceil(ratio * numel)`` largest elements (over all leaves of a dtype) and
+    sums what every rank sent; what it did not send stays in the buffer for the next window
+    (Stich et al. 2018), so nothing is lost, only delayed. ``ratio=1`` is exact up to summation
+    order. The state is the buffers, one per leaf in the accumulation dtype (with
+    [`Accumulator`][gradaccum.Accumulator], in ``AccumState.reduce_state``). Bytes
+    (``W k (itemsize + 8)`` received per rank) and accuracy:
+    [Built-in reductions](../reductions.md#built-in-reductions).
 
     Args:
         ratio: The fraction of elements to send, in ``(0, 1]``.
@@ -186,50 +184,40 @@ def topk_all_reduce(
         >>> dist.destroy_process_group()
     """
     where = "topk_all_reduce(ratio, group=...)"
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+    if not finite_number(ratio, 0, strict=True) or ratio > 1:
         raise ValueError(
             f"{where}: ratio must be a fraction in (0, 1], got {describe(ratio)}; pass e.g. "
             f"ratio=0.01 to send 1% of the elements."
         )
 
-    def init(zeros: Any) -> Any:
-        return zeros
-
     def topk_sum(grads: Any, errors: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         errs = _tree.flatten(errors)[0]
-        world = dist.get_world_size(pg) if pg is not None else 1
-        for _, idx in _groups(leaves).items():
+        for idx in _groups(leaves).values():
             flat = torch.cat([(leaves[i] + errs[i]).reshape(-1) for i in idx])
             k = max(1, math.ceil(ratio * flat.numel()))
             top = torch.topk(flat.abs(), k, sorted=False).indices
             values = flat[top]
             flat.index_fill_(0, top, 0)  # the error: what is not sent now
-            got_v = torch.empty(world * k, dtype=values.dtype, device=values.device)
-            got_i = torch.empty(world * k, dtype=torch.int64, device=values.device)
-            if pg is not None:
-                record("all_gather", pg, values.dtype, world * k, "gradients (top-k values)")
-                record("all_gather", pg, torch.int64, world * k, "gradients (top-k indices)")
             if pg is None:  # one process: what is sent is what arrives
-                got_v.copy_(values)
-                got_i.copy_(top)
+                got_v, got_i = values, top
             else:
+                size = dist.get_world_size(pg) * k
+                got_v = torch.empty(size, dtype=values.dtype, device=values.device)
+                got_i = torch.empty(size, dtype=torch.int64, device=values.device)
+                record("all_gather", pg, values.dtype, size, "gradients (top-k values)")
+                record("all_gather", pg, torch.int64, size, "gradients (top-k indices)")
                 gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                 w1 = gather(got_v, values, group=pg, async_op=True)
                 w2 = gather(got_i, top, group=pg, async_op=True)
                 w1.wait()
                 w2.wait()
-            dense = torch.zeros_like(flat).index_add_(0, got_i, got_v)
-            off = 0
-            for i in idx:
-                m = leaves[i].numel()
-                leaves[i].copy_(dense[off : off + m].view_as(leaves[i]))
-                errs[i].copy_(flat[off : off + m].view_as(errs[i]))
-                off += m
+            _copy_back(torch.zeros_like(flat).index_add_(0, got_i, got_v), [leaves[i] for i in idx])
+            _copy_back(flat, [errs[i] for i in idx])
         return _tree.unflatten(spec, leaves), errors
 
     topk_sum.__name__ = f"topk_all_reduce(ratio={ratio:g})"
-    return custom_reduce(topk_sum, init=init, group=group, timeout=timeout)
+    return custom_reduce(topk_sum, init=lambda zeros: zeros, group=group, timeout=timeout)
 
 
 def powersgd(
@@ -241,18 +229,14 @@ def powersgd(
 ) -> CustomReduce:
     """PowerSGD: low-rank compression of each matrix with one power iteration and error feedback.
 
-    Vogels et al. 2019. At the boundary each rank adds its error-feedback buffer to its share of
-    the window's gradient. Every leaf with 2 or more dims is viewed as a matrix ``M`` of
-    ``n = shape[0]`` rows and ``m`` columns; where a rank-``rank`` factorisation is smaller than
-    the matrix (``rank * (n + m) < n * m``), the ranks compute ``P = sum(M_i Q)`` (one
-    ``all_reduce`` for all matrices), orthonormalise ``P``, compute ``Q = sum(M_i^T P)`` (a second
-    ``all_reduce``) and return ``P Q^T``: the sum of the ranks' matrices projected on ``P``.
-    Each rank keeps what its projection missed, ``M_i - P P^T M_i``, in its error-feedback
-    buffer for the next window, so the returned gradients plus the buffers always add up to the
-    exact sums. ``Q`` is kept too (warm start: one power iteration per window converges over
-    windows). Vectors and small matrices are all-reduced exactly (a third ``all_reduce``).
-
-    Bytes per window: ``rank * (n + m)`` elements per compressed matrix, against ``n * m``.
+    Vogels et al. 2019. Each rank adds its error-feedback buffer to its share. A leaf of 2 or more
+    dims, viewed as a matrix ``M`` (``n = shape[0]`` rows, ``m`` columns), is compressed where
+    ``rank * (n + m) < n * m`` (the elements sent per window, against ``n * m``): the ranks
+    compute ``P = sum(M_i Q)`` (one ``all_reduce`` for all matrices), orthonormalise ``P``,
+    compute ``Q = sum(M_i^T P)`` (a second) and return ``P Q^T``, the sum of the ranks' matrices
+    projected on ``P``. Each rank keeps what its projection missed, ``M_i - P P^T M_i``, in its
+    buffer, so the returned gradients plus the buffers add up to the exact sums; ``Q`` is kept as
+    the next window's warm start. Vectors and small matrices are all-reduced exactly (a third).
 
     Args:
         rank: The rank of the approximation, a positive int (PowerSGD's paper uses 1 to 4).
@@ -280,11 +264,7 @@ def powersgd(
         raise ValueError(
             f"{where}: rank must be a positive int, got {describe(rank)}; pass e.g. 4."
         )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(
-            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
-            f"e.g. seed=0."
-        )
+    check_seed(where, seed)
 
     def shape2(g: torch.Tensor) -> tuple[int, int] | None:
         if g.dim() < 2:
@@ -313,10 +293,9 @@ def powersgd(
             g.add_(errs[i])
             if qs[i] is None:
                 dense.append(g)
-                continue
-            m = g.reshape(g.shape[0], -1)
-            mats.append(i)
-            ps.append(m @ qs[i])
+            else:
+                mats.append(i)
+                ps.append(g.reshape(g.shape[0], -1) @ qs[i])
         sum_flat(dense, pg, "gradients")
         sum_flat(ps, pg, "gradients (P)")
         new_q = []

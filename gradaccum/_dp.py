@@ -1,24 +1,17 @@
 """DP-SGD: per-sample clipping (a micro-batch transform) and one noise draw per window (a boundary).
 
-Abadi et al. 2016, "Deep Learning with Differential Privacy": each sample's gradient is clipped
-to norm ``C``, the clipped gradients are summed over the whole (logical) batch, Gaussian noise of
-standard deviation ``sigma * C`` is added once, and the result is divided by the expected batch
-size ``L``. With gradient accumulation the batch spans micro-batches and ranks: clipping happens
-per micro-batch, the sum at the boundary, and the noise once per window, after the sum, drawn
-from a generator that every rank seeds alike (so every rank adds the same noise, and the model
-stays identical on every rank).
+Abadi et al. 2016; docs/reductions.md ("Differential privacy") says where each piece goes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from . import _tree
-from ._compress import sum_flat
+from ._compress import check_seed, finite_number, sum_flat
 from ._custom import CustomReduce, custom_reduce
 from ._errors import describe
 
@@ -29,15 +22,8 @@ T = TypeVar("T")
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: mixes (seed, window) into one generator seed
 
 
-def _number(value: object, low: float, *, strict: bool) -> bool:
-    """Whether ``value`` is an int or float (not a bool), finite, and above (or at) ``low``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return (low < value if strict else low <= value) and value < math.inf  # NaN fails both
-
-
 def _positive(where: str, name: str, value: object, example: str) -> float:
-    if not _number(value, 0, strict=True):
+    if not finite_number(value, 0, strict=True):
         raise ValueError(
             f"{where}: {name} must be a positive, finite number, got {describe(value)}; pass "
             f"e.g. {name}={example}."
@@ -52,8 +38,7 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
     returns *per-sample* gradients (a leading sample dimension on every leaf), such as
     ``torch.func.vmap(torch.func.grad(loss_of_one_sample), in_dims=(None, 0))``. Each sample's
     gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is its 2-norm over
-    all leaves together, so that every sample contributes a vector of norm at most
-    ``max_norm``; the samples are then summed. Use it with ``reduction="sum"``.
+    all leaves together; the clipped samples are summed. Use it with ``reduction="sum"``.
 
     Args:
         max_norm: The clipping bound ``C``, a positive number.
@@ -75,11 +60,11 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
     bound = _positive(where, "max_norm", max_norm, "1.0")
 
     def clipped_sum(grads: T) -> T:
-        leaves, spec = _tree.flatten(grads)
+        paths, leaves, spec = _tree.flatten_with_paths(grads)
         if not leaves:
             return grads
         rows = leaves[0].shape[0] if leaves[0].dim() else -1
-        for path, g in zip(_tree.flatten_with_paths(grads)[0], leaves):
+        for path, g in zip(paths, leaves):
             if not isinstance(g, torch.Tensor) or g.dim() == 0 or g.shape[0] != rows:
                 raise ValueError(
                     f"{where}: every gradient leaf needs the same leading sample dimension, but "
@@ -108,20 +93,14 @@ def dp_noise(
 ) -> CustomReduce:
     """The DP-SGD boundary: sum over the group, add Gaussian noise once, divide by ``L``.
 
-    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``. Use it with
-    ``reduction="sum"`` and [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the
-    ``micro_transform``, so that the window's local sums are sums of clipped per-sample
-    gradients. At the boundary they are summed exactly over the group (one flat ``all_reduce``
-    per dtype), then every element gets Gaussian noise of standard deviation
-    ``noise_multiplier * max_norm``, drawn **once per window** from a CPU generator seeded with
-    ``(seed, window)``, identical on every rank, and the result is divided by
-    ``expected_batch_size`` (not by the rows actually seen, as DP-SGD with Poisson sampling
-    requires). The window index is the state, so a checkpointed run resumes with the same noise.
-
-    The result: ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``. The
-    privacy accounting (choosing ``noise_multiplier`` for an (epsilon, delta) budget from the
-    sampling rate and the number of steps) is not done here; use an accountant such as Opacus'
-    RDP accountant with the same ``noise_multiplier`` and sampling rate.
+    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``, with ``reduction="sum"`` and
+    [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the ``micro_transform``. The
+    result is ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``: an exact sum
+    over the group (one flat ``all_reduce`` per dtype), then noise drawn **once per window** from
+    a CPU generator seeded with ``(seed, window)``, the same on every rank, then a division by
+    ``expected_batch_size`` (not by the rows seen, as Poisson sampling requires). The window
+    index is the state, so a resumed run draws the same noise. The privacy accounting is not
+    done here: see [Differential privacy](../reductions.md#differential-privacy-dp-sgd).
 
     Args:
         noise_multiplier: ``sigma``, the noise standard deviation in units of ``max_norm``.
@@ -159,7 +138,7 @@ def dp_noise(
         tensor([-0.6000,  0.0000])
     """
     where = "dp_noise(noise_multiplier, max_norm, expected_batch_size, seed=...)"
-    if not _number(noise_multiplier, 0, strict=False):
+    if not finite_number(noise_multiplier, 0, strict=False):
         raise ValueError(
             f"{where}: noise_multiplier must be a finite number >= 0 (0: no noise), got "
             f"{describe(noise_multiplier)}; pass the sigma your privacy accountant gives, e.g. "
@@ -167,18 +146,13 @@ def dp_noise(
         )
     bound = _positive(where, "max_norm", max_norm, "1.0")
     size = _positive(where, "expected_batch_size", expected_batch_size, "256")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(
-            f"{where}: seed must be an int, the same on every rank, got {describe(seed)}; pass "
-            f"e.g. seed=0."
-        )
+    check_seed(where, seed)
     std = float(noise_multiplier) * bound
 
     def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         sum_flat(leaves, pg, "gradients")  # exact: one flat all-reduce per dtype
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed((seed * _MIX + int(window)) % 2**63)
+        gen = torch.Generator(device="cpu").manual_seed((seed * _MIX + int(window)) % 2**63)
         for g in leaves:
             if std:
                 noise = torch.randn(g.shape, generator=gen, dtype=torch.float64) * std

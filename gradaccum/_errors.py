@@ -1,10 +1,4 @@
-"""Error types and message builders.
-
-Every message starts with the call shape, says what was expected and what came, and ends with
-the fix (see CONTRIBUTING.md). Builtin ``TypeError``/``ValueError`` are used for wrong kinds and
-values; [`GradAccumError`][gradaccum.GradAccumError] for mismatches between processes and saved
-state.
-"""
+"""Error types, message builders (the rules of a message: CONTRIBUTING.md), broken groups."""
 
 from __future__ import annotations
 
@@ -12,8 +6,9 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor"]
+__all__ = ["GradAccumError", "check_not_dtensor", "describe"]
 
 
 class GradAccumError(RuntimeError):
@@ -32,8 +27,7 @@ class GradAccumError(RuntimeError):
 def describe(value: Any) -> str:
     """A short description of a value for error messages: type, and shape/dtype for tensors."""
     if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        return f"Tensor(shape={tuple(value.shape)}, dtype={dtype})"
+        return f"Tensor(shape={tuple(value.shape)}, dtype={dtype_name(value.dtype)})"
     if isinstance(value, torch.dtype):
         return str(value)
     if isinstance(value, (bool, int, float, str)) or value is None:
@@ -41,15 +35,10 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
-    cls = type(value)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
-
-
 def check_not_dtensor(where: str, what: str, value: Any) -> None:
-    """Refuse a DTensor: gradaccum would compute wrong (all-zero) gradients for it today."""
-    if is_dtensor(value):
+    """Refuse a DTensor (found without importing it): its gradients would be all-zero today."""
+    cls = type(value)
+    if cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed"):
         raise GradAccumError(
             f"{where}: {what} is a DTensor (a parameter of a model wrapped with FSDP2's "
             f"torch.distributed.fsdp.fully_shard, or made by torch.distributed.tensor); "
@@ -66,11 +55,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Process groups on which one of gradaccum's collectives failed or timed out. Such a group cannot
-# be reused (the messages say so), so the error path does not try to join the window's boundary
-# on it: that would only wait for more timeouts. Weak references: a strong one would keep the
-# group's backend (and its gloo threads, possibly still inside an abandoned collective) alive
-# after destroy_process_group(), until interpreter exit, where such a thread aborts the process.
+# Groups on which a gradaccum collective failed or timed out: unusable (the messages say so), so
+# the error path does not join a boundary there (it would only wait for more timeouts). Weak: a
+# strong reference would keep the backend (and its gloo threads, maybe inside an abandoned
+# collective) alive after destroy_process_group(), until exit, where such a thread aborts.
 _BROKEN_GROUPS: list[weakref.ref[Any]] = []
 
 
@@ -91,8 +79,6 @@ def is_broken(group: Any) -> bool:
 def _resolve(group: Any) -> Any:
     if group is not None:
         return group
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         return None
     return dist.group.WORLD

@@ -1,9 +1,4 @@
-"""Interop with ``torch.nn.Module`` and ``torch.optim``.
-
-gradaccum works on pytrees of tensors. These helpers take a module's parameters and buffers
-out as dicts, run the module functionally (also inside ``torch.func`` transforms, BatchNorm
-included), and write gradients back into ``.grad`` so any ``torch.optim`` optimizer can step.
-"""
+"""Interop with ``torch.nn.Module`` and ``torch.optim``: dicts of tensors in, ``.grad`` out."""
 
 from __future__ import annotations
 
@@ -56,10 +51,8 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if p.requires_grad:
             out[k] = p.detach()
     record = _HANDED_OUT.setdefault(module, {})
-    for k, t in out.items():
-        refs = [r for r in record.get(k, ()) if r() is not None]  # forget dropped dicts
-        refs.append(weakref.ref(t))
-        record[k] = refs
+    for k, t in out.items():  # the tensors of dropped dicts are forgotten
+        record[k] = [r for r in record.get(k, ()) if r() is not None] + [weakref.ref(t)]
     return out
 
 
@@ -103,17 +96,20 @@ def _base(t: Any) -> Any:
 
 
 def _check_call(
-    where: str,
-    module: torch.nn.Module,
-    params: Mapping[str, Any],
-    buffers: Mapping[str, Any],
-    strict: bool,
+    module: torch.nn.Module, params: Mapping[str, Any], buffers: Mapping[str, Any], strict: bool
 ) -> None:
-    """Refuse keys the module does not have, missing trainable params, and stale params."""
+    """Refuse wrong kinds, keys the module does not have, missing trainable params, stale params."""
+    where = "call_module(module, params, buffers, ...)"
+    _check_module(where, module)
+    for name, value in (("params", params), ("buffers", buffers)):
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"{where}: {name} must be a dict of tensors by name, got {describe(value)}; pass "
+                f"gradaccum.{name}_of(module)."
+            )
     own = dict(module.named_parameters())
     if strict:
-        own_buffers = {k for k, _ in module.named_buffers()}
-        unknown = (set(params) | set(buffers)) - own.keys() - own_buffers
+        unknown = (set(params) | set(buffers)) - own.keys() - dict(module.named_buffers()).keys()
         missing = {k for k, v in own.items() if v.requires_grad} - set(params) - set(buffers)
         if unknown or missing:
             raise ValueError(
@@ -121,8 +117,7 @@ def _check_call(
                 f"trainable parameters {_names(missing)}, unknown keys {_names(unknown)}; a "
                 f"misspelled or missing key would silently get no gradient. Pass "
                 f"gradaccum.params_of(module) and gradaccum.buffers_of(module), or strict=False "
-                f"to use the module's own tensors for missing names and "
-                f"ignore unknown ones."
+                f"to use the module's own tensors for missing names and ignore unknown ones."
             )
     for k, value in params.items():
         check_not_dtensor(where, f"params[{k!r}]", value)
@@ -142,9 +137,8 @@ def _check_call(
                 f"{where}: params[{k!r}] is no longer the module's storage: it is "
                 f"{dtype_name(base.dtype)} on {base.device}, the module's parameter is "
                 f"{dtype_name(p.dtype)} on {p.device}. The params were taken with "
-                f"params_of(module) before the module was moved or converted "
-                f"(module.to(...), .double(), .cuda()), and training them would leave the "
-                f"module unchanged. Take "
+                f"params_of(module) before the module was moved or converted (module.to(...), "
+                f".double(), .cuda()), and training them would leave the module unchanged. Take "
                 f"params = gradaccum.params_of(module) again after moving the module (and "
                 f"rebuild the optimizer on its parameters)."
             )
@@ -164,13 +158,9 @@ def call_module(
     training mode updates its running statistics), which are returned instead of mutating the
     tensors passed in (``torch.func`` refuses such mutation). Return ``new_buffers`` in the aux
     of your loss, and commit them with [`update_buffers()`][gradaccum.update_buffers] after each
-    micro-batch, outside the gradient transform, so that statistics thread through the
-    micro-batches in order, as ``n`` forward passes of a hand-written loop would.
-
-    With [`accumulate()`][gradaccum.accumulate], commit them inside the step function (second
-    example) and return only the loss as aux. Do not return the buffers as aux of the accumulated
-    function: its aux reductions would average ``n`` updates made from the same starting
-    statistics instead of chaining them.
+    micro-batch, outside the gradient transform: inside the step function given to
+    [`accumulate()`][gradaccum.accumulate] (second example), not as its aux, whose reductions
+    would average ``n`` updates instead of chaining them.
 
     Args:
         module: The module whose forward to run.
@@ -218,15 +208,7 @@ def call_module(
         >>> int(bn.num_batches_tracked)  # 1 + 4 micro-batches
         5
     """
-    where = "call_module(module, params, buffers, ...)"
-    _check_module(where, module)
-    for name, value in (("params", params), ("buffers", buffers)):
-        if not isinstance(value, Mapping):
-            raise TypeError(
-                f"{where}: {name} must be a dict of tensors by name, got {describe(value)}; pass "
-                f"gradaccum.{name}_of(module)."
-            )
-    _check_call(where, module, params, buffers, strict)
+    _check_call(module, params, buffers, strict)
     fresh = {k: v.clone() for k, v in buffers.items()}
     out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
     return out, fresh
@@ -237,9 +219,8 @@ def update_buffers(
 ) -> None:
     """Copy ``new_buffers`` into ``buffers`` in place.
 
-    ``buffers`` is a dict from [`buffers_of()`][gradaccum.buffers_of], or a module.
-
-    Call it outside ``torch.func`` transforms, after each micro-batch: see
+    ``buffers`` is a dict from [`buffers_of()`][gradaccum.buffers_of], or a module. Call it
+    outside ``torch.func`` transforms, after each micro-batch: see
     [`call_module()`][gradaccum.call_module].
 
     Examples:
@@ -251,42 +232,42 @@ def update_buffers(
 
     Raises:
         KeyError: ``new_buffers`` names a buffer that ``buffers`` does not have.
-        TypeError: ``new_buffers`` is not a dict.
+        TypeError: ``buffers`` or ``new_buffers`` is not a dict, or a floating value is given for
+            an integer buffer (e.g. BatchNorm's ``num_batches_tracked``), which would be
+            truncated. Nothing is written then.
         ValueError: A new buffer's shape differs from the buffer's. Nothing is written then.
-        TypeError: A floating value is given for an integer buffer (e.g. BatchNorm's
-            ``num_batches_tracked``), which would be truncated. Nothing is written then.
     """
+    where = "update_buffers(buffers, new_buffers)"
     target = buffers_of(buffers) if isinstance(buffers, torch.nn.Module) else buffers
     if not isinstance(target, Mapping):
         raise TypeError(
-            f"update_buffers(buffers, new_buffers): buffers must be a module or a dict from "
-            f"gradaccum.buffers_of(module), got {describe(buffers)}; pass the module itself "
-            f"(update_buffers(model, new_buffers)) or buffers = gradaccum.buffers_of(model)."
+            f"{where}: buffers must be a module or a dict from gradaccum.buffers_of(module), got "
+            f"{describe(buffers)}; pass the module itself (update_buffers(model, new_buffers)) "
+            f"or buffers = gradaccum.buffers_of(model)."
         )
     if not isinstance(new_buffers, Mapping):
         raise TypeError(
-            f"update_buffers(buffers, new_buffers): new_buffers must be a dict of tensors by "
-            f"buffer name, got {describe(new_buffers)}; pass the new_buffers that call_module "
-            f"returned."
+            f"{where}: new_buffers must be a dict of tensors by buffer name, got "
+            f"{describe(new_buffers)}; pass the new_buffers that call_module returned."
         )
     unknown = sorted(set(new_buffers) - set(target))
     if unknown:
         raise KeyError(
-            f"update_buffers(buffers, new_buffers): new_buffers has {unknown}, which buffers "
-            f"does not have (it has {sorted(target)}); pass the buffers of the same module."
+            f"{where}: new_buffers has {unknown}, which buffers does not have (it has "
+            f"{sorted(target)}); pass the buffers of the same module."
         )
     for k, v in new_buffers.items():
         if not isinstance(v, torch.Tensor) or v.shape != target[k].shape:
             raise ValueError(
-                f"update_buffers(buffers, new_buffers): new_buffers[{k!r}] is {describe(v)}, "
-                f"expected shape {tuple(target[k].shape)}; pass the new_buffers that call_module "
-                f"returned for the same module."
+                f"{where}: new_buffers[{k!r}] is {describe(v)}, expected shape "
+                f"{tuple(target[k].shape)}; pass the new_buffers that call_module returned for "
+                f"the same module."
             )
         if v.is_floating_point() and not (target[k].is_floating_point() or target[k].is_complex()):
             raise TypeError(
-                f"update_buffers(buffers, new_buffers): new_buffers[{k!r}] is {describe(v)}, but "
-                f"the buffer is {dtype_name(target[k].dtype)}: the value would be truncated. "
-                f"Pass an integer tensor for it (e.g. the new_buffers that call_module returned)."
+                f"{where}: new_buffers[{k!r}] is {describe(v)}, but the buffer is "
+                f"{dtype_name(target[k].dtype)}: the value would be truncated. Pass an integer "
+                f"tensor for it (e.g. the new_buffers that call_module returned)."
             )
     with torch.no_grad():
         for k, v in new_buffers.items():
@@ -321,28 +302,26 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         check_not_dtensor(where, f"the module's parameter {k!r}", p)
     if not isinstance(grads, Mapping):
         raise TypeError(
-            f"write_grads(module, grads): grads must be a dict of tensors by parameter name, "
-            f"got {describe(grads)}; use the params dict from gradaccum.params_of(module)."
+            f"{where}: grads must be a dict of tensors by parameter name, got {describe(grads)}; "
+            f"use the params dict from gradaccum.params_of(module)."
         )
     missing, extra = sorted(set(named) - set(grads)), sorted(set(grads) - set(named))
     if missing or extra:
         raise ValueError(
-            f"write_grads(module, grads): grads and the module's trainable parameters differ: "
-            f"missing {missing}, unknown {extra}; compute grads with respect to "
-            f"gradaccum.params_of(module)."
+            f"{where}: grads and the module's trainable parameters differ: missing {missing}, "
+            f"unknown {extra}; compute grads with respect to gradaccum.params_of(module)."
         )
     for k, p in named.items():
         g = grads[k]
         if not isinstance(g, torch.Tensor) or g.shape != p.shape:
             raise ValueError(
-                f"write_grads(module, grads): grads[{k!r}] is {describe(g)}, expected shape "
-                f"{tuple(p.shape)}; compute grads with respect to gradaccum.params_of(module)."
+                f"{where}: grads[{k!r}] is {describe(g)}, expected shape {tuple(p.shape)}; "
+                f"compute grads with respect to gradaccum.params_of(module)."
             )
         if not g.is_floating_point():
             raise TypeError(
-                f"write_grads(module, grads): grads[{k!r}] has dtype "
-                f"{str(g.dtype).removeprefix('torch.')}; gradients must be real floating tensors. "
-                f"Compute grads with respect to gradaccum.params_of(module)."
+                f"{where}: grads[{k!r}] has dtype {dtype_name(g.dtype)}; gradients must be real "
+                f"floating tensors. Compute grads with respect to gradaccum.params_of(module)."
             )
     for k, p in named.items():
         p.grad = grads[k].detach().to(p.dtype)

@@ -1,17 +1,9 @@
 """Reductions: how micro-batch gradients and aux outputs combine into the window's result.
 
-A micro-batch ``i`` contributes ``alpha_i * g_i`` to the running sum and ``w_i`` to the running
-weight; at the boundary the sum is divided by the total weight (or not, for ``sum``):
-
-============  =======================  ==========  =============================
-reduction     step_fn returns          alpha_i     result
-============  =======================  ==========  =============================
-``mean``      grad of the mean loss    rows_i      sum(rows_i g_i) / sum(rows_i)
-``sum``       grad of any loss         1           sum(g_i)
-``count``     grad of a summed loss    1           sum(g_i) / sum(count_i)
-============  =======================  ==========  =============================
-
-Each row is the gradient over the whole batch, however it is split.
+A micro-batch ``i`` adds ``alpha_i * g_i`` to the running sum and ``w_i`` to the running weight;
+the boundary divides the sum by the total weight (not for ``sum``). The table of ``alpha_i``,
+``w_i`` and the result per reduction is in docs/concepts.md ("Why the result equals the whole
+batch").
 """
 
 from __future__ import annotations
@@ -52,9 +44,8 @@ def check_reduction(where: str, reduction: object) -> Reduction:
 def check_count(where: str, count: object) -> Weight:
     """Validate one micro-batch's count (a number or a one-element real tensor), detached.
 
-    A Python number must be finite and ``>= 0``. A tensor count is checked for its kind and
-    size only: its value stays on the device (reading it would synchronise with the device
-    once per micro-batch), so a negative, NaN or infinite tensor count is not detected here.
+    A number must be finite and ``>= 0``; a tensor's value is not read (that would synchronise
+    with the device once per micro-batch), so a negative or NaN tensor count passes.
 
     Examples:
         >>> check_count("f(count)", 3)
@@ -65,31 +56,26 @@ def check_count(where: str, count: object) -> Weight:
         ValueError: f(count): the count must be a finite number >= 0, got nan; return the ...
     """
     if isinstance(count, torch.Tensor):
-        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
-            raise TypeError(
-                f"{where}: the count must be a number or a one-element real tensor, got "
-                f"{describe(count)}; return the number of items the summed loss covers, e.g. "
-                f"(labels != pad_id).sum()."
+        if count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
+            return count.detach().reshape(())
+    elif not isinstance(count, bool) and isinstance(count, (int, float)):
+        if isinstance(count, float) and not math.isfinite(count):
+            raise ValueError(
+                f"{where}: the count must be a finite number >= 0, got {count!r}; return the "
+                f"number of items the summed loss covers, e.g. (labels != pad_id).sum(), as a "
+                f"finite number (a NaN count often comes from a mean or a division by 0 upstream)."
             )
-        return count.detach().reshape(())
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
-        raise TypeError(
-            f"{where}: the count must be a number or a one-element real tensor, got "
-            f"{describe(count)}; return the number of items the summed loss covers, e.g. "
-            f"(labels != pad_id).sum()."
-        )
-    if isinstance(count, float) and not math.isfinite(count):
-        raise ValueError(
-            f"{where}: the count must be a finite number >= 0, got {count!r}; return the number "
-            f"of items the summed loss covers, e.g. (labels != pad_id).sum(), as a finite number "
-            f"(a NaN count often comes from a mean or a division by 0 upstream)."
-        )
-    if count < 0:
-        raise ValueError(
-            f"{where}: the count must be >= 0, got {count!r}; return the number of items the "
-            f"summed loss covers."
-        )
-    return count
+        if count < 0:
+            raise ValueError(
+                f"{where}: the count must be >= 0, got {count!r}; return the number of items the "
+                f"summed loss covers."
+            )
+        return count
+    raise TypeError(
+        f"{where}: the count must be a number or a one-element real tensor, got "
+        f"{describe(count)}; return the number of items the summed loss covers, e.g. "
+        f"(labels != pad_id).sum()."
+    )
 
 
 def check_aux_reduction(where: str, spec: Any) -> None:
@@ -109,23 +95,9 @@ def check_aux_reduction(where: str, spec: Any) -> None:
 class AuxAccumulator:
     """Combine aux pytrees over micro-batches, leaf by leaf.
 
-    ``spec`` is ``None`` (each leaf follows the gradient ``reduction``, except that under
-    ``count`` the leaf that ``count(aux)`` returns as is gets ``sum``: it reports the total
-    count), one of ``AUX_REDUCTIONS``, or a pytree prefix of the aux whose leaves are those names.
+    ``spec``: one of ``AUX_REDUCTIONS``, a tree prefix of the aux of those names, or ``None``: the
+    gradient ``reduction`` (under ``count``, the leaf ``count(aux)`` returns gets ``sum``).
     """
-
-    __slots__ = (
-        "_acc",
-        "_count_total",
-        "_default",
-        "_kinds",
-        "_paths",
-        "_reduction",
-        "_size_total",
-        "_spec",
-        "_treespec",
-        "_where",
-    )
 
     def __init__(self, where: str, spec: Any, reduction: Reduction) -> None:
         self._where = where
@@ -167,10 +139,7 @@ class AuxAccumulator:
         self._kinds = kinds
 
     def add(self, aux: Any, size: int, count: Weight | None, raw_count: object = None) -> None:
-        """Fold one micro-batch's aux in: ``size`` rows, ``count`` (for ``count``) items.
-
-        ``raw_count`` is what ``count(aux)`` returned, before validation.
-        """
+        """Fold one micro-batch's aux in; ``raw_count`` is ``count(aux)`` before validation."""
         if self._kinds is None:
             self._start(aux, raw_count)
         leaves, treespec = _tree.flatten(aux)
@@ -191,14 +160,9 @@ class AuxAccumulator:
                     f"aux_reduction {kind!r} cannot add; return a tensor or a number there, or "
                     f"use aux_reduction 'last' for that leaf."
                 )
-            if kind == "mean":
-                value: Any = leaf * size
-            elif kind in ("sum", "count"):
-                value = leaf
-            elif kind in ("concat", "stack"):
+            value: Any = leaf * size if kind == "mean" else leaf
+            if kind in ("concat", "stack"):
                 value = self._joinable(i, kind, leaf, None if first else self._acc[i])
-            else:  # last
-                value = leaf
             if first:
                 self._acc.append([value] if kind in ("concat", "stack") else value)
             elif kind in ("mean", "sum", "count"):
@@ -219,13 +183,11 @@ class AuxAccumulator:
         try:
             value = leaf if isinstance(leaf, torch.Tensor) else torch.as_tensor(leaf)
         except (TypeError, ValueError, RuntimeError):
-            value = None
-        if value is None:
             raise TypeError(
                 f"{self._where}: aux leaf {path} is {describe(leaf)}, which aux_reduction "
                 f"{kind!r} cannot {kind} into a tensor; return a tensor or a number there, or "
                 f"use aux_reduction 'last' for that leaf."
-            )
+            ) from None
         if not earlier:
             return value
         ref, mb = earlier[0], len(earlier)
@@ -255,15 +217,10 @@ class AuxAccumulator:
             elif kind == "count":
                 value = value / self._count_total
             elif kind in ("concat", "stack"):
-                value = _join(kind, cast(list[torch.Tensor], value))
+                join = torch.stack if kind == "stack" or value[0].dim() == 0 else torch.cat
+                value = join(value)
             out.append(value)
         return _tree.unflatten(self._treespec, out)
-
-
-def _join(kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    if kind == "stack" or tensors[0].dim() == 0:
-        return torch.stack(tensors)
-    return torch.cat(tensors)
 
 
 def first_add(
@@ -272,11 +229,7 @@ def first_add(
     alpha: float,
     out: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """``alpha * grads`` in ``dtypes`` (one copy, no memset); call under no_grad.
-
-    Written into ``out`` if given (uninitialised buffers, e.g. views of flat buckets), else into
-    new tensors.
-    """
+    """``alpha * grads`` in ``dtypes``, into ``out`` (uninitialised) or new tensors; no_grad."""
     if out is None:
         sums = [g.to(d, copy=True) for g, d in zip(grads, dtypes)]
     else:

@@ -1,10 +1,7 @@
-"""Split a batch pytree into micro-batches along dim 0.
+"""Split a batch pytree into micro-batches along dim 0 (views, no copies).
 
-An even split uses einops (``(n b) ... -> n b ...``) and yields views, no copies. When ``n`` does
-not divide the batch, the first ``B % n`` micro-batches get one extra row (as
-``numpy.array_split``); the reductions weight every micro-batch by its real size, so the result is
-still exact. Tensor leaves are split; every other leaf (an int, a string, a flag) is passed
-unchanged to every micro-batch.
+Tensor leaves are split, other leaves go whole to every micro-batch; uneven splits are as
+``numpy.array_split`` (docs/concepts.md, "Uneven splits").
 """
 
 from __future__ import annotations
@@ -53,9 +50,7 @@ class MicroBatches(Generic[B]):
     __slots__ = ("_batches",)
 
     def __init__(self, batches: Sequence[B]) -> None:
-        if isinstance(batches, (torch.Tensor, dict, str, bytes)) or not isinstance(
-            batches, Sequence
-        ):
+        if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
             raise TypeError(
                 f"MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
                 f"{describe(batches)}; wrap your micro-batches in a list: "
@@ -68,7 +63,8 @@ class MicroBatches(Generic[B]):
             )
         first = _tree.flatten(batches[0])[1]
         for i in range(1, len(batches)):
-            _check_structure("MicroBatches(batches)", batches, i, first)
+            spec = _tree.flatten(batches[i])[1]
+            _check_structure("MicroBatches(batches)", batches, i, first, spec)
         self._batches = tuple(batches)
 
     def __len__(self) -> int:
@@ -84,14 +80,8 @@ class MicroBatches(Generic[B]):
         return f"MicroBatches(<{len(self._batches)} micro-batches>)"
 
 
-def _check_structure(
-    where: str, batches: Sequence[Any], i: int, first: Any, spec: Any = None
-) -> None:
-    """Refuse micro-batch ``i`` when its tree differs from micro-batch 0's (structure ``first``).
-
-    ``spec`` is micro-batch ``i``'s structure when the caller has it already.
-    """
-    spec = _tree.flatten(batches[i])[1] if spec is None else spec
+def _check_structure(where: str, batches: Sequence[Any], i: int, first: Any, spec: Any) -> None:
+    """Refuse micro-batch ``i`` when its structure ``spec`` is not micro-batch 0's, ``first``."""
     if spec != first:
         raise ValueError(
             f"{where}: micro-batch {i} of the MicroBatches differs in structure from "
@@ -103,7 +93,7 @@ def _check_structure(
 
 
 def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
-    """Flatten ``batch`` and return (paths, leaves, spec, rows along dim 0), validating it."""
+    """Flatten and validate ``batch``: (paths, leaves, spec, rows along dim 0)."""
     paths, leaves, spec = _tree.flatten_with_paths(batch)
     rows: int | None = None
     first_path = ""
@@ -143,11 +133,10 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
 
 
 def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tuple[Any, int]]:
-    """Split ``batch`` into micro-batches; return ``[(micro_batch, rows), ...]``.
+    """``[(micro_batch, rows), ...]`` of ``batch`` (a ``MicroBatches`` is validated, used as given).
 
-    ``batch`` may be a [`MicroBatches`][gradaccum.MicroBatches], which is validated and used as
-    given. With ``short_ok`` (data-parallel ranks, whose last batch may be short or empty), a
-    batch of fewer than ``n`` rows gives one micro-batch per row, and 0 rows none at all.
+    With ``short_ok`` (a data-parallel rank's short last batch), fewer than ``n`` rows give one
+    micro-batch per row, and 0 rows none.
     """
     if isinstance(batch, MicroBatches):
         out = []

@@ -41,9 +41,7 @@ def map_(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
 
 def keystr(path: tuple[Any, ...]) -> str:
     """A key path as the user would index it: ``['layer']['weight']``; the root is ``<root>``."""
-    if not path:
-        return "<root>"
-    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path)
+    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path) or "<root>"
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], PyTreeSpec]:
@@ -61,8 +59,8 @@ def none_paths(tree: Any) -> list[str]:
 def first_difference(expected: Any, got: Any, *, prefix: bool = False) -> str:
     """Say where two trees first differ in structure, with the key path.
 
-    Returns a sentence fragment such as ``"at ['b']: expected a dict with keys ['x', 'y'], got
-    a dict with keys ['x']"``. With ``prefix=True``, a leaf of ``expected`` matches any subtree.
+    E.g. ``"at ['b']: expected a dict with keys ['x', 'y'], got a dict with keys ['x']"``. With
+    ``prefix=True``, a leaf of ``expected`` matches any subtree.
     """
 
     def node_desc(node: Any) -> str:
@@ -81,24 +79,18 @@ def first_difference(expected: Any, got: Any, *, prefix: bool = False) -> str:
         if sa == sb or (prefix and optree.treespec_is_leaf(sa)):
             return None
         a_leaf, b_leaf = optree.treespec_is_leaf(sa), optree.treespec_is_leaf(sb)
-        if a_leaf or b_leaf or type(a) is not type(b):
-            return f"at {keystr(path)}: expected {node_desc(a)}, got {node_desc(b)}"
-        one_a, one_b = optree.tree_flatten_one_level(a), optree.tree_flatten_one_level(b)
-        ca, ea, cb, eb = one_a.children, one_a.entries, one_b.children, one_b.entries
-        if tuple(ea) != tuple(eb):
-            return f"at {keystr(path)}: expected {node_desc(a)}, got {node_desc(b)}"
-        for key, x, y in zip(ea, ca, cb):
-            found = walk(x, y, (*path, key))
-            if found is not None:
-                return found
+        if not (a_leaf or b_leaf or type(a) is not type(b)):
+            one_a, one_b = optree.tree_flatten_one_level(a), optree.tree_flatten_one_level(b)
+            if tuple(one_a.entries) == tuple(one_b.entries):
+                for key, x, y in zip(one_a.entries, one_a.children, one_b.children):
+                    found = walk(x, y, (*path, key))
+                    if found is not None:
+                        return found
         return f"at {keystr(path)}: expected {node_desc(a)}, got {node_desc(b)}"
 
     return walk(expected, got, ()) or "in structure"
 
 
 def broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
-    """Expand ``prefix`` (a tree that is a prefix of ``tree``) to one value per leaf of ``tree``.
-
-    Raises ``ValueError`` with optree's explanation when ``prefix`` is not a prefix of ``tree``.
-    """
+    """One value of the tree prefix ``prefix`` per leaf of ``tree``; ``ValueError`` if no prefix."""
     return optree.broadcast_prefix(prefix, tree)

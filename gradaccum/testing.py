@@ -1,11 +1,7 @@
 """Check your own step function: accumulated gradient against the whole-batch gradient.
 
-``compare`` runs ``accumulate(step_fn, n)`` and ``step_fn`` on the whole batch and reports the
-worst leaf by key path, at tolerances chosen from the dtype. ``assert_equivalent`` raises when
-they differ. ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
-
-Things that make the two differ, on purpose: BatchNorm (statistics per micro-batch), dropout
-(different random draws), losses normalised per micro-batch (use ``reduction="count"``).
+``compare`` and ``assert_equivalent`` compare them leaf by leaf at tolerances chosen from the
+dtype; ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
 """
 
 from __future__ import annotations
@@ -22,12 +18,10 @@ from ._errors import dtype_name
 
 __all__ = ["Comparison", "LeafDiff", "assert_equivalent", "assert_finite", "compare", "nonfinite"]
 
-# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|, per leaf. The low-precision rows
-# are a little looser than torch.testing.assert_close's (bfloat16 1.6e-2 / 1e-5, float16 1e-3 /
-# 1e-5): a gradient entry is a sum over the batch, and where its terms cancel (a bias gradient
-# near 0) the rounding error follows the terms, not the small sum. With assert_close's values,
-# 1-2% of the leaves of correct float16/bfloat16 MLP steps failed; with these, none did (the
-# worst at 0.84 of the tolerance).
+# (rtol, atol) of a leaf: |acc - ref| <= atol + rtol * max|ref|. The 16-bit rows are looser than
+# torch.testing.assert_close's: where a gradient entry's terms cancel, the rounding error follows
+# the terms, not the small sum; with assert_close's values 1-2% of the leaves of correct
+# float16/bfloat16 MLP steps failed, with these none did (the worst at 0.84 of the tolerance).
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-12),
     torch.float32: (1e-5, 1e-6),
@@ -37,12 +31,9 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def _coarsest(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The less precise of two dtypes (the one with the larger machine epsilon)."""
-    if not a.is_floating_point:
-        return b
-    if not b.is_floating_point:
-        return a
-    return b if torch.finfo(b).eps > torch.finfo(a).eps else a
+    """The less precise of two dtypes (larger machine epsilon); a floating one over another."""
+    floats = [d for d in (a, b) if d.is_floating_point]
+    return max(floats, key=lambda d: torch.finfo(d).eps, default=b)
 
 
 def _default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -61,9 +52,8 @@ class LeafDiff:
     Attributes:
         path: The leaf's key path, e.g. ``['layer']['weight']``.
         dtype: The dtype that selects the default tolerances: the less precise of the
-            accumulated and the reference gradient's dtypes (they differ when ``step_fn``
-            returns, say, float32 gradients for bfloat16 params: the accumulated gradient is
-            returned in the params' dtype).
+            accumulated and the reference gradient's dtypes (they differ when ``step_fn`` returns,
+            say, float32 gradients for bfloat16 params: accumulated ones come in the params').
         max_abs_err: ``max |accumulated - reference|`` over the leaf.
         scale: ``max |reference|`` over the leaf.
         rtol: The relative tolerance used.
@@ -87,11 +77,9 @@ class LeafDiff:
     @property
     def rel_err(self) -> float:
         """``max_abs_err / max|reference|`` (0 when both are 0)."""
-        return (
-            self.max_abs_err / self.scale
-            if self.scale
-            else (0.0 if not self.max_abs_err else float("inf"))
-        )
+        if self.scale:
+            return self.max_abs_err / self.scale
+        return float("inf") if self.max_abs_err else 0.0
 
     @property
     def ok(self) -> bool:
@@ -136,8 +124,7 @@ class Comparison:
         return max(self.leaves, key=badness)
 
     def __str__(self) -> str:
-        w = self.worst
-        verdict = "match" if self.ok else "DIFFER"
+        w, verdict = self.worst, "match" if self.ok else "DIFFER"
         return (
             f"accumulated (n={self.n}) and whole-batch gradients {verdict}: worst leaf {w.path} "
             f"({dtype_name(w.dtype)}): max abs error {w.max_abs_err:.3g}, relative "
@@ -167,16 +154,13 @@ def compare(
         batch: The whole batch (second argument).
         n: Micro-batches to split it into.
         *args: Further positional arguments of ``step_fn``.
-        rtol: Relative tolerance. Default: chosen per leaf from the less precise of the
-            accumulated and the reference gradient's dtypes: float64 1e-10, float32 1e-5,
-            float16 5e-3, bfloat16 2e-2 (other floating dtypes: twice their machine epsilon).
-            A leaf passes when ``max|acc - ref| <= atol + rtol * max|ref|`` over the leaf.
-            Gradients that are float32 but computed in lower precision (e.g. under
-            ``torch.autocast``) need the tolerances of the compute dtype: pass e.g.
-            ``rtol=2e-2, atol=1e-3`` for bfloat16.
-        atol: Absolute tolerance, for leaves whose entries sum terms that cancel. Default:
-            chosen per leaf like ``rtol``: float64 1e-12, float32 1e-6, float16 1e-4,
-            bfloat16 and other floating dtypes 1e-3.
+        rtol: Relative tolerance: a leaf passes when ``max|acc - ref| <= atol + rtol * max|ref|``.
+            Default: per leaf, from the less precise of the two gradients' dtypes: float64 1e-10,
+            float32 1e-5, float16 5e-3, bfloat16 2e-2, other floats twice their epsilon. For
+            float32 gradients computed in lower precision (``torch.autocast``) pass the compute
+            dtype's, e.g. ``rtol=2e-2, atol=1e-3`` for bfloat16.
+        atol: Absolute tolerance, for entries that sum terms that cancel. Default: per leaf,
+            float64 1e-12, float32 1e-6, float16 1e-4, bfloat16 and other floating dtypes 1e-3.
         **accumulate_kwargs: Keywords for [`accumulate()`][gradaccum.accumulate] (``has_aux``,
             ``reduction``, ``count``...).
 
@@ -200,34 +184,24 @@ def compare(
         (True, torch.bfloat16, 0.02, 0.001)
     """
     has_aux = accumulate_kwargs.get("has_aux", False)
-    reduction = accumulate_kwargs.get("reduction", "mean")
     acc_out = accumulate(step_fn, n, **accumulate_kwargs)(params, batch, *args)
     ref_out = step_fn(params, batch, *args)
     acc = acc_out[0] if has_aux else acc_out
     ref = ref_out[0] if has_aux else ref_out
-    if reduction == "count":
+    if accumulate_kwargs.get("reduction") == "count":
         total = accumulate_kwargs["count"](ref_out[1])
         ref = _tree.map_(lambda g: g / total, ref)
     paths, ref_leaves, _ = _tree.flatten_with_paths(ref)
-    acc_leaves, _ = _tree.flatten(acc)
     diffs = []
-    for path, r, a in zip(paths, ref_leaves, acc_leaves):
+    for path, r, a in zip(paths, ref_leaves, _tree.flatten(acc)[0]):
         dtype = _coarsest(r.dtype, a.dtype)
         dr, da = r.detach(), a.detach().to(r.dtype)
         d_rtol, d_atol = _default_tolerances(dtype)
+        tols = (d_rtol if rtol is None else rtol, d_atol if atol is None else atol)
         wide = torch.float64 if dr.device.type != "mps" else torch.float32
         err = (da.to(wide) - dr.to(wide)).abs().max().item() if dr.numel() else 0.0
         scale = dr.to(wide).abs().max().item() if dr.numel() else 0.0
-        diffs.append(
-            LeafDiff(
-                path,
-                dtype,
-                err,
-                scale,
-                d_rtol if rtol is None else rtol,
-                d_atol if atol is None else atol,
-            )
-        )
+        diffs.append(LeafDiff(path, dtype, err, scale, *tols))
     return Comparison(tuple(diffs), n)
 
 
@@ -273,11 +247,8 @@ def nonfinite(grads: Any) -> list[str]:
         ["['b']"]
     """
     paths, leaves, _ = _tree.flatten_with_paths(grads)
-    return [
-        p
-        for p, g in zip(paths, leaves)
-        if isinstance(g, torch.Tensor) and not bool(torch.isfinite(g).all())
-    ]
+    bad = [isinstance(g, torch.Tensor) and not bool(torch.isfinite(g).all()) for g in leaves]
+    return [p for p, b in zip(paths, bad) if b]
 
 
 def assert_finite(grads: Any) -> None:
