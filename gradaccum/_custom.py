@@ -97,7 +97,9 @@ class CustomWindow(Window):
         sync, lay, where, reduction = self.sync, self.layout, self.where, self.spec.reduction
         group, world = None, 1
         if sync.group is None and not (dist.is_available() and dist.is_initialized()):
-            total, agree = float(weight), True  # one process: nobody to talk to
+            if failed:  # one process: nobody to tell; fn and its state stay untouched
+                return None
+            total, agree = float(weight), True
         else:  # the group is first needed here (not at open: add() runs without it)
             comm = Comm(where, sync.group, sync.timeout, what=f"sync={sync.name}")
             group, world = comm.group, comm.world

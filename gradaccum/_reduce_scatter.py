@@ -151,6 +151,11 @@ class ReduceScatter(Sync):
             return type(state)(None, weight, sd["micro_step"], sd["window"], lay)
         window = ScatterWindow(self, spec, verify=False)
         saved = list(sd["full"]) + list(sd["out"])
+        if len(saved) != len(window.full) + len(window.out):
+            raise GradAccumError(
+                f"{where}: the state holds {len(sd['full'])} bucket and {len(sd['out'])} shard "
+                f"buffers, but this window has {len(window.full)} and {len(window.out)}{fix}"
+            )
         for k, (t, f) in enumerate(zip(saved, window.full + window.out)):  # type: ignore[operator]
             if (t is None) != (f is None) or (
                 f is not None

@@ -940,6 +940,24 @@ def test_without_torch_distributed() -> None:
     assert groups == [None]
     assert sync.state == 1
 
+    # A micro-step that raises: fn is not called on the partial sums, its state stays.
+    def failing(p: Any, b: Any) -> Any:
+        if b[0].shape[0] < 4:  # the last micro-batch (10 rows in 3: 4, 3, 3)
+            raise ValueError("boom")
+        return grad(mean_loss)(p, b)
+
+    for fn in (
+        failing,
+        gradaccum.grad(lambda p, b: mean_loss(p, b) if b[0].shape[0] == 4 else 1 / 0),
+    ):
+        with pytest.raises((ValueError, ZeroDivisionError)):
+            gradaccum.accumulate(fn, 3, sync=sync)(params, batch)
+        assert groups == [None], "fn ran on a failed window"
+        assert sync.state == 1
+    g = gradaccum.accumulate(grad(mean_loss), 3, sync=sync)(params, batch)
+    assert max_diff(g, ref) < TOL
+    assert sync.state == 2
+
     sync = gradaccum.custom_reduce(exact, init=lambda g: 0, group=object())
     step = gradaccum.accumulate(grad(mean_loss), 3, sync=sync)
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
@@ -948,7 +966,7 @@ def test_without_torch_distributed() -> None:
     state = acc.add(acc.init(params), ref, size=10)
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
         acc.finalize(state)
-    assert groups == [None]  # fn never ran
+    assert groups == [None, None]  # fn never ran again
 
 
 def _disagreeing_trees(rank: int, world: int) -> str:

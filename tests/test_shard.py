@@ -750,7 +750,11 @@ def _train(rank: int, world: int, folder: str, resume: bool) -> dict[str, Any]:
         faked = {**torch.load(path("sp", rank), weights_only=True), "world": 4}
         other_layout = gradaccum.shard(mlp_params(kind="dict"), bucket_mb=25.0).state_dict()
         acc_theirs = torch.load(path("acc", 1 - rank), weights_only=True)
+        acc_mine = torch.load(path("acc", rank), weights_only=True)
         errors = {
+            "acc short": _error(
+                acc.load_state_dict, acc.init(sp), {**acc_mine, "full": acc_mine["full"][:-1]}
+            ),
             "other rank": _error(sp.load_state_dict, theirs),
             "other world": _error(sp.load_state_dict, faked),
             "other layout": _error(sp.load_state_dict, other_layout),
@@ -784,6 +788,10 @@ def test_checkpoint_mid_window_resumes_bit_identically(tmp_path: Any) -> None:
             ), errors
             assert errors["other layout"].startswith(
                 f"{where}the state was saved for another sharded layout"
+            ), errors
+            assert errors["acc short"].startswith(
+                "GradAccumError: Accumulator.load_state_dict(state, state_dict): the state holds "
+                "2 bucket and 1 shard buffers, but this window has 3 and 1"
             ), errors
             assert errors["acc other rank"].startswith(
                 "GradAccumError: Accumulator.load_state_dict(state, state_dict): the state was "
