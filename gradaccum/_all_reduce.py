@@ -6,16 +6,16 @@ per bucket; docs/sync.md ("What gradaccum does instead") describes the mechanism
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
 from ._comm import Check, Comm, Probe, bucket_what, check_options, fill_tail, positive
-from ._errors import describe, is_broken
+from ._errors import describe, is_broken, is_mesh
 from ._layout import make_layout
+from ._mesh import axis, check_group
 from ._window import Sync, Window, WindowSpec
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
@@ -62,7 +62,10 @@ class AllReduce(Sync):
             >>> [(b.paths, b.numel) for b in sync.plan(params)]
             [(("['w']",), 300000), (("['b']",), 12)]
         """
-        return self._plan(make_layout("AllReduce.plan(params)", params, accum_dtype)).buckets
+        where = "AllReduce.plan(params)"
+        buckets = self._plan(make_layout(where, params, accum_dtype)).buckets
+        dim = axis(where, self.group).dim if is_mesh(self.group) else None
+        return tuple(replace(b, collectives=(("all_reduce", dim),)) for b in buckets)
 
     def _plan(self, lay: Any) -> Plan:
         """The plan for a gradient layout (cached)."""
@@ -193,7 +196,8 @@ def all_reduce(
     ``layers.9``), the same on every rank ([how](../sync.md#what-gradaccum-does-instead)).
 
     Args:
-        group: The process group; ``None`` for the default (world) group.
+        group: The process group, or a 1-D ``DeviceMesh`` (its group); ``None`` for the
+            default (world) group.
         bucket_mb: Bucket size in MiB: as in DDP, a bucket takes leaves until it holds at least
             ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
             buckets mean fewer collectives; more buckets, more overlap.
@@ -237,14 +241,8 @@ def all_reduce(
             f"pass e.g. bucket_mb=25 (DDP's default)."
         )
     check_options(where, check, timeout, overlap)
-    if group is not None and not (
-        dist.is_available()
-        and (isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER)
-    ):
-        raise TypeError(
-            f"{where}: group must be None (the default group) or a torch.distributed "
-            f"ProcessGroup, got {describe(group)}; pass e.g. dist.new_group([0, 1])."
-        )
+    check_group(where, group)
+    axis(where, group)  # a mesh of more than one dim is refused here, not at the first window
     return AllReduce(
         group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
     )

@@ -10,11 +10,16 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
+from ._comm import Comm
 from ._errors import describe
-from ._record import record
+from ._mesh import axes, check_group
 
 __all__ = ["LossScale", "LossScaleState", "clip_by_global_norm"]
 
+_FIX = (
+    "pass group=None (the gradients are the same on every rank, as after an all_reduce sync), "
+    "or the group or mesh the gradients were reduce-scattered over (e.g. sharded.group)"
+)
 T = TypeVar("T")
 
 
@@ -44,7 +49,8 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
             sync, where they are the same on every rank). A process group: the gradients are
             shards (from a [`reduce_scatter()`][gradaccum.reduce_scatter] sync), and the norm
             is that of the whole gradient, from one one-element ``all_reduce`` of the squared
-            norm. Padding is zero, so it does not count.
+            norm. Padding is zero, so it does not count. A ``DeviceMesh``: its group, or for a
+            2-D (replicate, shard) mesh its shard dim (replicas hold the same shards).
 
     Returns:
         ``(clipped, norm)``: the clipped gradients and the global norm before clipping (a 0-dim
@@ -68,7 +74,7 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
             f"{where}: max_norm must be a positive number, got {describe(max_norm)}; pass e.g. "
             f"max_norm=1.0."
         )
-    _check_group(where, group, "the process group the gradients were reduce-scattered over")
+    check_group(where, group, _FIX)
     leaves, spec = _leaves(where, grads)
     wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     if not leaves:
@@ -79,8 +85,10 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
         total = torch.linalg.vector_norm(torch.stack(norms))
         if group is not None:
             squared = (total * total).reshape(1)
-            record("all_reduce", group, squared.dtype, 1, "norm")
-            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
+            comm = Comm(where, axes(where, group)[0], what="group=")
+            comm.wait(
+                comm.all_reduce(squared, "the norm all_reduce", "norm"), "the norm all_reduce"
+            )
             total = squared.sqrt().reshape(())
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         out = [g * factor.to(g.device, g.dtype) for g in leaves]
@@ -224,9 +232,10 @@ class LossScale:
             grads: The window's gradients (of the scaled loss).
             state: The current [`LossScaleState`][gradaccum.boundary.LossScaleState].
             group: ``None``: decide from these gradients alone (enough after an ``all_reduce``
-                sync, where they are identical on every rank). A process group: also agree
-                over it with one one-element ``all_reduce`` (for gradients that differ per rank,
-                e.g. shards).
+                sync, where they are identical on every rank). A process group (or a mesh, as
+                in [`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]): also
+                agree over it with one one-element ``all_reduce`` (for gradients that differ per
+                rank, e.g. shards).
 
         Returns:
             ``(grads, finite, new_state)``: the unscaled gradients (new tensors), whether every
@@ -250,7 +259,7 @@ class LossScale:
                 f"{describe(state.scale)}; start with state = scaler.init() and pass on the "
                 f"state unscale() returns."
             )
-        _check_group(where, group, "the process group whose ranks must agree")
+        check_group(where, group, _FIX)
         leaves, spec = _leaves(where, grads)
         with torch.no_grad():
             inv = 1.0 / state.scale
@@ -264,8 +273,9 @@ class LossScale:
             else:
                 bad = torch.zeros(1)
             if group is not None:
-                record("all_reduce", group, bad.dtype, 1, "found_inf")
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+                comm = Comm(where, axes(where, group)[0], what="group=")
+                what = "the found_inf all_reduce"
+                comm.wait(comm.all_reduce(bad, what, "found_inf", dist.ReduceOp.MAX), what)
             finite = not bool(bad.item())
         if finite:
             good = state.good_steps + 1
@@ -280,22 +290,6 @@ class LossScale:
 
 
 torch.serialization.add_safe_globals([LossScaleState])
-
-
-def _check_group(where: str, group: Any, meaning: str) -> None:
-    """Refuse a ``group`` that is neither ``None`` nor a process group, before any collective."""
-    if group is None:
-        return
-    if dist.is_available() and (
-        isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER
-    ):
-        return
-    raise TypeError(
-        f"{where}: group must be None (the gradients are the same on every rank, as after an "
-        f"all_reduce sync) or a torch.distributed ProcessGroup, got {describe(group)}; pass "
-        f"group=None, or {meaning} (e.g. sharded.group for gradients from a reduce_scatter "
-        f"sync)."
-    )
 
 
 def _is_number(value: object) -> bool:

@@ -38,6 +38,10 @@ class Bucket:
         numel: Elements on the wire, the two-element tail included.
         nbytes: Bytes on the wire.
         tail: Whether the bucket carries the window's weight and failure flag.
+        collectives: Each collective the bucket goes through in a window, as
+            ``(kind, mesh dim)``: e.g. ``(("all_reduce", None),)`` on a process group, or
+            ``(("reduce_scatter", "shard"), ("all_reduce", "replicate"))`` sharded hybrid over
+            a 2-D ``DeviceMesh`` (the dim is ``None`` for a process group given as such).
 
     Examples:
         >>> import torch, gradaccum
@@ -52,6 +56,7 @@ class Bucket:
     numel: int
     nbytes: int
     tail: bool
+    collectives: tuple[tuple[str, str | None], ...] = (("all_reduce", None),)
 
 
 @dataclass(frozen=True)

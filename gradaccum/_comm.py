@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from ._errors import GradAccumError, describe, mark_broken
+from ._mesh import Axis, axis
 from ._record import record
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "check_timeout",
     "fill_tail",
     "positive",
+    "settle",
 ]
 
 
@@ -111,7 +113,8 @@ class Comm:
     Args:
         where: The call shape that failures are reported against (e.g.
             ``"accumulate(loss, n=4)(...)"``); may be changed later (``comm.where = ...``).
-        group: A process group, or ``None`` for the default group.
+        group: A process group, ``None`` for the default group, or a 1-D ``DeviceMesh`` (its
+            group; the collectives are recorded with its dim name).
         timeout: Seconds after which each collective fails; ``None``: the group's timeout.
         check: ``"fingerprint"``, ``"full"`` or ``"never"``, as in
             [`all_reduce()`][gradaccum.all_reduce].
@@ -119,7 +122,8 @@ class Comm:
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: This process is not a member of ``group``.
+        ValueError: This process is not a member of ``group``, or ``group`` is a mesh of more
+            than one dim.
 
     Examples:
         >>> import torch, torch.distributed as dist, gradaccum
@@ -143,6 +147,7 @@ class Comm:
         what: str = "sync=all_reduce()",
     ) -> None:
         self.where, self.timeout, self.check = where, timeout, check
+        group, self.dim = group if isinstance(group, Axis) else axis(where, group)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"{where}: {what} needs torch.distributed initialised, but no process "
@@ -163,13 +168,13 @@ class Comm:
         self, tensor: torch.Tensor, what: str, purpose: str, op: Any = dist.ReduceOp.SUM
     ) -> Any:
         """Start an in-place sum (or ``op``) of ``tensor`` over the group."""
-        record("all_reduce", self.group, tensor.dtype, tensor.numel(), purpose)
+        record("all_reduce", self.group, tensor.dtype, tensor.numel(), purpose, self.dim)
         with self.failing(what):
             return all_reduce(tensor, self.group, self.timeout, op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start a sum of ``inp`` over the group, this rank's chunk of it into ``out``."""
-        record("reduce_scatter", self.group, inp.dtype, inp.numel(), purpose)
+        record("reduce_scatter", self.group, inp.dtype, inp.numel(), purpose, self.dim)
         opts = _options(c10d.ReduceScatterOptions(), self.timeout, inp)
         opts.reduceOp = dist.ReduceOp.SUM
         with self.failing(what):
@@ -177,14 +182,14 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start gathering every rank's ``inp`` into ``out``, in rank order."""
-        record("all_gather", self.group, out.dtype, out.numel(), purpose)
+        record("all_gather", self.group, out.dtype, out.numel(), purpose, self.dim)
         opts = _options(c10d.AllgatherOptions(), self.timeout, inp)
         with self.failing(what):
             return self.group._allgather_base(out, inp, opts)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str, purpose: str) -> Any:
         """Start a broadcast of ``tensor`` from rank ``src``."""
-        record("broadcast", self.group, tensor.dtype, tensor.numel(), purpose)
+        record("broadcast", self.group, tensor.dtype, tensor.numel(), purpose, self.dim)
         opts = _options(c10d.BroadcastOptions(), self.timeout, tensor)
         opts.rootRank, opts.rootTensor = src, 0
         with self.failing(what):
@@ -246,7 +251,7 @@ class Comm:
         if hi == -neg_lo and self.check != "full":
             return
         gathered: list[Any] = [None] * self.world
-        record("all_gather_object", self.group, torch.uint8, 0, "fingerprint")
+        record("all_gather_object", self.group, torch.uint8, 0, "fingerprint", self.dim)
         dist.all_gather_object(gathered, probe.desc, group=self.group)
         diffs = []
         for r, other in enumerate(gathered):

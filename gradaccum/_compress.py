@@ -15,6 +15,7 @@ import torch.distributed as dist
 from . import _tree
 from ._custom import CustomReduce, custom_reduce
 from ._errors import describe, dtype_name
+from ._mesh import axis
 from ._record import record
 
 __all__ = ["compressed_all_reduce", "powersgd", "topk_all_reduce"]
@@ -49,13 +50,13 @@ def check_seed(where: str, seed: object) -> None:
         )
 
 
-def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str) -> None:
+def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str, dim: str | None = None) -> None:
     """Sum ``tensors`` over ``pg`` in place: one ``all_reduce`` per (device, dtype), flat."""
     if pg is None:
         return
     for idx in _groups(tensors).values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        record("all_reduce", pg, flat.dtype, flat.numel(), purpose)
+        record("all_reduce", pg, flat.dtype, flat.numel(), purpose, dim)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
         _copy_back(flat, [tensors[i] for i in idx])
 
@@ -77,7 +78,7 @@ def compressed_all_reduce(
 
     Args:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
-        group: The process group; ``None`` for the default group.
+        group: The process group or a 1-D ``DeviceMesh``; ``None`` for the default group.
         bucket_mb: Bucket size in MiB of ``dtype``: one ``all_reduce`` per bucket.
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
@@ -114,6 +115,7 @@ def compressed_all_reduce(
             f"{describe(bucket_mb)}; pass e.g. bucket_mb=25 (DDP's default)."
         )
     cap = max(1, int(bucket_mb * 2**20) // dtype.itemsize)
+    dim = axis(where, group).dim
 
     def low_precision_sum(grads: Any, state: Any, pg: Any) -> tuple[Any, Any]:
         if pg is None:  # one process: nothing to send
@@ -130,7 +132,7 @@ def compressed_all_reduce(
                     size += leaves[idx[start]].numel()
                     start += 1
                 flat = torch.cat([leaves[i].reshape(-1).to(dtype) for i in run])
-                record("all_reduce", pg, dtype, flat.numel(), "gradients")
+                record("all_reduce", pg, dtype, flat.numel(), "gradients", dim)
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg, async_op=True)
                 works.append((work, flat, run))
         for work, flat, run in works:
@@ -161,7 +163,7 @@ def topk_all_reduce(
 
     Args:
         ratio: The fraction of elements to send, in ``(0, 1]``.
-        group: The process group; ``None`` for the default group.
+        group: The process group or a 1-D ``DeviceMesh``; ``None`` for the default group.
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
@@ -190,6 +192,8 @@ def topk_all_reduce(
             f"ratio=0.01 to send 1% of the elements."
         )
 
+    dim = axis(where, group).dim
+
     def topk_sum(grads: Any, errors: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         errs = _tree.flatten(errors)[0]
@@ -205,8 +209,8 @@ def topk_all_reduce(
                 size = dist.get_world_size(pg) * k
                 got_v = torch.empty(size, dtype=values.dtype, device=values.device)
                 got_i = torch.empty(size, dtype=torch.int64, device=values.device)
-                record("all_gather", pg, values.dtype, size, "gradients (top-k values)")
-                record("all_gather", pg, torch.int64, size, "gradients (top-k indices)")
+                record("all_gather", pg, values.dtype, size, "gradients (top-k values)", dim)
+                record("all_gather", pg, torch.int64, size, "gradients (top-k indices)", dim)
                 gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                 w1 = gather(got_v, values, group=pg, async_op=True)
                 w2 = gather(got_i, top, group=pg, async_op=True)
@@ -241,7 +245,8 @@ def powersgd(
     Args:
         rank: The rank of the approximation, a positive int (PowerSGD's paper uses 1 to 4).
         seed: Seeds the first ``Q`` (the same on every rank).
-        group: The process group; ``None`` for the default group (or one process).
+        group: The process group or a 1-D ``DeviceMesh``; ``None`` for the default group (or
+            one process).
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
@@ -260,6 +265,7 @@ def powersgd(
         (True, True)
     """
     where = "powersgd(rank, seed=..., group=...)"
+    dim = axis(where, group).dim
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(
             f"{where}: rank must be a positive int, got {describe(rank)}; pass e.g. 4."
@@ -296,8 +302,8 @@ def powersgd(
             else:
                 mats.append(i)
                 ps.append(g.reshape(g.shape[0], -1) @ qs[i])
-        sum_flat(dense, pg, "gradients")
-        sum_flat(ps, pg, "gradients (P)")
+        sum_flat(dense, pg, "gradients", dim)
+        sum_flat(ps, pg, "gradients (P)", dim)
         new_q = []
         for i, p in zip(mats, ps):
             p = torch.linalg.qr(p).Q
@@ -305,7 +311,7 @@ def powersgd(
             mine_q = m.T @ p
             errs[i].copy_((m - p @ mine_q.T).view_as(errs[i]))  # what this rank's share misses
             new_q.append((i, p, mine_q))
-        sum_flat([q for _, _, q in new_q], pg, "gradients (Q)")
+        sum_flat([q for _, _, q in new_q], pg, "gradients (Q)", dim)
         for i, p, q in new_q:
             leaves[i].copy_((p @ q.T).view_as(leaves[i]))
             # Warm start; a window with a zero gradient keeps the previous Q (a zero Q would

@@ -18,6 +18,7 @@ from . import _reduce, _tree
 from ._buckets import make_plan
 from ._comm import Comm, check_timeout, settle
 from ._errors import GradAccumError, describe, is_broken
+from ._mesh import axis
 from ._window import Sync, Window, WindowSpec
 
 __all__ = ["CustomReduce", "custom_reduce"]
@@ -179,7 +180,8 @@ def custom_reduce(
         init: ``init(grads) -> state``: the state before the first window, built from zeros
             shaped like the gradient (e.g. error-feedback buffers). ``None``: the state starts
             as ``None``.
-        group: The process group; ``None`` for the default group.
+        group: The process group, or a 1-D ``DeviceMesh`` (``fn`` gets its group); ``None``
+            for the default group.
         timeout: Seconds to wait for the weight all-reduce before raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the group's timeout.
 
@@ -222,5 +224,6 @@ def custom_reduce(
             f"init=lambda grads: 0, or None to start from state None."
         )
     check_timeout(where, timeout)
+    axis(where, group)  # a mesh of more than one dim is refused here, not at the boundary
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return CustomReduce(fn, init, group, None if timeout is None else float(timeout), name)

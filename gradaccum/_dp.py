@@ -14,6 +14,7 @@ from . import _tree
 from ._compress import check_seed, finite_number, sum_flat
 from ._custom import CustomReduce, custom_reduce
 from ._errors import describe
+from ._mesh import axis
 
 __all__ = ["clip_per_sample", "dp_noise"]
 
@@ -107,7 +108,8 @@ def dp_noise(
         max_norm: ``C``, the per-sample clipping bound used in ``clip_per_sample``.
         expected_batch_size: ``L``, the expected number of samples per window over all ranks.
         seed: Seeds the noise; every rank must pass the same one.
-        group: The process group; ``None`` for the default group (or one process).
+        group: The process group or a 1-D ``DeviceMesh``; ``None`` for the default group (or
+            one process).
         timeout: As in [`custom_reduce()`][gradaccum.custom_reduce].
 
     Returns:
@@ -138,6 +140,7 @@ def dp_noise(
         tensor([-0.6000,  0.0000])
     """
     where = "dp_noise(noise_multiplier, max_norm, expected_batch_size, seed=...)"
+    dim = axis(where, group).dim
     if not finite_number(noise_multiplier, 0, strict=False):
         raise ValueError(
             f"{where}: noise_multiplier must be a finite number >= 0 (0: no noise), got "
@@ -151,7 +154,7 @@ def dp_noise(
 
     def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
-        sum_flat(leaves, pg, "gradients")  # exact: one flat all-reduce per dtype
+        sum_flat(leaves, pg, "gradients", dim)  # exact: one flat all-reduce per dtype
         gen = torch.Generator(device="cpu").manual_seed((seed * _MIX + int(window)) % 2**63)
         for g in leaves:
             if std:

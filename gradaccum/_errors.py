@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradAccumError", "check_not_dtensor", "describe"]
+__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_mesh"]
 
 
 class GradAccumError(RuntimeError):
@@ -76,7 +76,15 @@ def is_broken(group: Any) -> bool:
     return group is not None and any(r() is group for r in _BROKEN_GROUPS)
 
 
+def is_mesh(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed`` ``DeviceMesh`` (without importing it)."""
+    cls = type(value)
+    return cls.__name__ == "DeviceMesh" and cls.__module__.startswith("torch.distributed")
+
+
 def _resolve(group: Any) -> Any:
+    if is_mesh(group):  # a 1-D mesh stands for its group
+        return group.get_group(0) if group.ndim == 1 else None
     if group is not None:
         return group
     if not dist.is_available() or not dist.is_initialized():

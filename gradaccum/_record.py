@@ -32,6 +32,8 @@ class Collective:
             failure flag), ``"params"`` (gathering or broadcasting sharded params),
             ``"fingerprint"`` (the tree check), ``"found_inf"`` (a loss-scaling decision),
             ``"norm"`` (a sharded gradient norm).
+        dim: The ``DeviceMesh`` dim it ran over (its name, e.g. ``"replicate"``), or ``None``
+            for a process group given as such.
 
     Examples:
         >>> import torch, gradaccum
@@ -46,6 +48,7 @@ class Collective:
     numel: int
     nbytes: int
     purpose: str
+    dim: str | None = None
 
 
 @contextlib.contextmanager
@@ -72,10 +75,12 @@ def record_collectives() -> Iterator[list[Collective]]:
         _LOGS.remove(log)
 
 
-def record(kind: str, group: Any, dtype: torch.dtype, numel: int, purpose: str) -> None:
+def record(
+    kind: str, group: Any, dtype: torch.dtype, numel: int, purpose: str, dim: str | None = None
+) -> None:
     """Log one collective in every active ``record_collectives()`` block."""
     if not _LOGS:
         return
-    item = Collective(kind, group, dtype, numel, numel * dtype.itemsize, purpose)
+    item = Collective(kind, group, dtype, numel, numel * dtype.itemsize, purpose, dim)
     for log in _LOGS:
         log.append(item)

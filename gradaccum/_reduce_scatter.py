@@ -66,16 +66,21 @@ class ReduceScatter(Sync):
         A dry run: nothing is communicated. The ``every`` buckets are reduced once per
         micro-batch, the ``boundary`` buckets once per window, in the accumulation dtype.
         ``Bucket.tail`` is False: the weight travels in an all-reduce of its own (16 bytes).
+        Sharded hybrid over a 2-D mesh, each bucket's shard is then all-reduced across the
+        replicate dim once per window (``Bucket.collectives`` lists both, with their dims).
 
         Args:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
         """
         lay, pol = with_accum(self.sharded.layout, accum_dtype), self.policies()
-        out = []
-        for b in sorted(self.sharded.plan.buckets, key=lambda b: pol[b.shard] != "every"):
+        sp, out = self.sharded, []
+        wire: tuple[tuple[str, str | None], ...] = (("reduce_scatter", sp.axis.dim),)
+        if sp.replicate_axis is not None:
+            wire += (("all_reduce", sp.replicate_axis.dim),)
+        for b in sorted(sp.plan.buckets, key=lambda b: pol[b.shard] != "every"):
             dt = lay.accum_dtypes[b.members[0]] if b.members else b.dtype
             paths = tuple(lay.paths[i] for i in b.members)
-            out.append(Bucket(dt, b.device, paths, b.padded, b.padded * dt.itemsize, False))
+            out.append(Bucket(dt, b.device, paths, b.padded, b.padded * dt.itemsize, False, wire))
         return tuple(out)
 
     def layout(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _reduce
-from ._comm import Comm, bucket_what, fill_tail
+from ._comm import Comm, bucket_what, fill_tail, settle
 from ._errors import is_broken
 from ._window import Window, WindowSpec
 
@@ -45,7 +45,12 @@ class ScatterWindow(Window):
                 f"{where}: mixed accumulation dtypes within a shard are not supported."
             )
         self.sync = sync
-        self.comm = Comm(where, sp.group, sync.timeout, sync.check, "sync=reduce_scatter(...)")
+        what = "sync=reduce_scatter(...)"
+        self.comm = Comm(where, sp.axis, sync.timeout, sync.check, what)
+        # Hybrid: the replicas' group; the shards are all-reduced over it once per window.
+        rep = sp.replicate_axis
+        self.rcomm = None if rep is None else Comm(where, rep, sync.timeout, sync.check, what)
+        self.rworks: list[tuple[Any, str]] = []
         self.given_sharded = spec.params is sp
         self.regather = self.given_sharded and sync.gather == "micro_batch"
         pol = sync.policies()
@@ -60,7 +65,9 @@ class ScatterWindow(Window):
                 f"reduction={spec.reduction!r}",
             )
             dev = plan.devices[0] if plan.devices else torch.device("cpu")
-            self.comm.agree(self.comm.probe(desc, dev))
+            probes = [(c, c.probe(desc, dev)) for c in (self.comm, self.rcomm) if c is not None]
+            for c, probe in probes:
+                c.agree(probe)
         self.every = [pol[b.shard] == "every" for b in plan.buckets]
         shard_accum = [torch.float64] * len(sp.shards)
         for b, a in zip(plan.buckets, self.accum):
@@ -92,7 +99,7 @@ class ScatterWindow(Window):
         self._new_step()
         self.bound_remaining = [len(b.members) for b in plan.buckets]
         self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
-        self.bound_works: list[tuple[Any, str]] = []  # launched, not yet waited on
+        self.bound_works: list[tuple[Any, str, int]] = []  # launched, not yet waited on
 
     def tree(self, like: Any = None) -> Any:
         """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists)."""
@@ -212,19 +219,33 @@ class ScatterWindow(Window):
             if ready_only and self.bound_remaining[k] > 0:
                 return
             while len(self.bound_works) >= MAX_IN_FLIGHT:  # the backend may copy each input
-                self.comm.wait(*self.bound_works.pop(0))
+                self._wait_bound()
             b = self.plan.buckets[k]
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
             what = bucket_what("reduce_scatter", self.plan.buckets, k)
             work = self.comm.reduce_scatter(region, buf, what, "gradients")
-            self.bound_works.append((work, what))
+            self.bound_works.append((work, what, k))
             self.bound_launched += 1
+
+    def _wait_bound(self) -> None:
+        work, what, k = self.bound_works.pop(0)
+        self.comm.wait(work, what)
+        self._replicate(k)
+
+    def _replicate(self, k: int) -> None:
+        """Hybrid: start summing bucket ``k``'s final shard region over the replicas."""
+        if self.rcomm is None:
+            return
+        b = self.plan.buckets[k]
+        region = self.out[b.shard][b.start : b.start + b.chunk]
+        what = bucket_what("replicate all_reduce", self.plan.buckets, k)
+        self.rworks.append((self.rcomm.all_reduce(region, what, "gradients"), what))
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
-        self.comm.where = self.where
+        self.at(self.where)
         self.overlapping = False
         if self.launched or self.in_flight:  # a step cut short by an error
             self.step()
@@ -236,27 +257,40 @@ class ScatterWindow(Window):
                 self.params(self.steps, self.sync.sharded)
             self.step()
         self.full_params = None
+        for k in self.every_order:  # final now; before any boundary bucket, on every rank
+            self._replicate(k)
         self._launch_bound(ready_only=False)
         dev = self.plan.devices[0] if self.plan.devices else torch.device("cpu")
         tail = torch.zeros(2, dtype=torch.float64, device=dev)
         fill_tail(tail, weight, failed)
         tail_work = self.comm.all_reduce(tail, "the weight all_reduce", "weight")
         while self.bound_works:
-            self.comm.wait(*self.bound_works.pop(0))
+            self._wait_bound()
         self.comm.wait(tail_work, "the weight all_reduce")
-        total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
+        world = self.comm.world
+        if self.rcomm is not None:  # the shard group's sums, summed over the replicas
+            world *= self.rcomm.world
+            what = "the replicate weight all_reduce"
+            self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what))
+            while self.rworks:
+                self.rcomm.wait(*self.rworks.pop(0))
+        total = settle(
+            self.where, world, self.comm.rank, tail.tolist(), self.spec.reduction, failed
+        )
         with torch.no_grad():
             _reduce.normalise(self.spec.reduction, self.out, total)  # type: ignore[arg-type]
             return tuple(o.to(s.dtype) for o, s in zip(self.out, self.sync.sharded.shards))
 
     def abort(self, weight: Any) -> None:
-        """Join the boundary flagged as failed, unless a collective of the group failed."""
-        if not is_broken(self.comm.group):
+        """Join the boundary flagged as failed, unless a collective of the groups failed."""
+        if not any(is_broken(c.group) for c in (self.comm, self.rcomm) if c is not None):
             self.finish(weight, failed=True)
 
     def at(self, where: str) -> None:
         """Errors from here on name ``where`` (the call now driving the window)."""
         self.where = self.comm.where = where
+        if self.rcomm is not None:
+            self.rcomm.where = where
 
 
 def _first_diff(lay: Any, mine: Any) -> str:

@@ -22,6 +22,7 @@ from ._checkpoint import check_like, check_meta
 from ._comm import Comm, bucket_what, positive
 from ._errors import GradAccumError, describe
 from ._layout import make_layout
+from ._mesh import Axis, axes, check_group
 from ._shard_plan import ShardPlan, make_shard_plan
 
 __all__ = ["Sharded", "shard"]
@@ -43,9 +44,12 @@ class Sharded:
         shards: This rank's shard tensors, flat and padded; give them to the optimizer.
         names: The parameter group of each shard tensor (see ``param_groups`` of
             [`shard()`][gradaccum.shard]).
-        group: The process group.
+        group: The process group the params are sharded over (a mesh's shard dim).
         rank: This process's rank in ``group``.
         world: The size of ``group``.
+        replicate: With a 2-D (replicate, shard) mesh, the process group of this rank's
+            replicas (the mesh's replicate dim), which hold the same shards; ``None`` otherwise.
+        replicas: The size of ``replicate`` (1 without it).
 
     Examples:
         >>> import torch, torch.distributed as dist, gradaccum
@@ -67,7 +71,9 @@ class Sharded:
         >>> dist.destroy_process_group()
     """
 
-    def __init__(self, layout: Any, plan: ShardPlan, comm: Comm, bucket_mb: float) -> None:
+    def __init__(
+        self, layout: Any, plan: ShardPlan, comm: Comm, bucket_mb: float, rcomm: Comm | None
+    ) -> None:
         self.layout, self.plan, self.bucket_mb = layout, plan, bucket_mb
         self.shards = tuple(
             torch.zeros(size, dtype=dt, device=dev)
@@ -77,13 +83,19 @@ class Sharded:
         self.names = plan.names
         """The parameter group of each shard tensor."""
         self.group, self.rank, self.world = comm.group, comm.rank, comm.world
+        self.axis = Axis(comm.group, comm.dim)
+        self.replicate_axis = None if rcomm is None else Axis(rcomm.group, rcomm.dim)
+        self.replicate = None if rcomm is None else rcomm.group
+        self.replicas = 1 if rcomm is None else rcomm.world
 
     def __repr__(self) -> str:
         full = sum(s.numel() for s in self.layout.shapes)
         mine = sum(s.numel() for s in self.shards)
         return (
             f"Sharded({len(self.layout.paths)} leaves, {full} elements, shards of {mine} "
-            f"elements on rank {self.rank} of {self.world}, {len(self.plan.buckets)} buckets)"
+            f"elements on rank {self.rank} of {self.world}"
+            f"{f' (x{self.replicas} replicas)' if self.replicas > 1 else ''}, "
+            f"{len(self.plan.buckets)} buckets)"
         )
 
     def group_shards(self, name: str) -> list[torch.Tensor]:
@@ -121,7 +133,7 @@ class Sharded:
     def _gather(self, where: str, timeout: float | None) -> Any:
         """[`gather`][gradaccum.sync.Sharded.gather], with failures named after ``where``."""
         lay, plan = self.layout, self.plan
-        comm = Comm(where, self.group, timeout)
+        comm = Comm(where, self.axis, timeout)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         works = []
         with torch.no_grad():
@@ -161,9 +173,11 @@ class Sharded:
             s.grad = g
 
     def _meta(self) -> dict[str, Any]:
+        replicas = {"replicas": self.replicas} if self.replicas > 1 else {}
         return {
             "world": self.world,
             "rank": self.rank,
+            **replicas,
             "bucket_mb": self.bucket_mb,
             "description": list(self.plan.description),
         }
@@ -215,7 +229,7 @@ def shard(
     param_groups: Callable[[str], str] | None = None,
     src: int | None = 0,
 ) -> Sharded:
-    """Shard a params pytree over a process group (FSDP / ZeRO style).
+    """Shard a params pytree over a process group or a mesh (FSDP / ZeRO / HSDP style).
 
     Each rank keeps only its shard of the params: the leaves are cut into buckets (per
     parameter group, device and dtype; reverse natural order of key paths; a bucket closes
@@ -223,18 +237,27 @@ def shard(
     rank ``r`` keeps the ``r``-th chunk of each. Leaves of any size and any mix of floating
     dtypes work; padding is zero and stays zero.
 
+    Given a 2-D ``DeviceMesh``, the sharding is hybrid (HSDP), read as FSDP2 reads such a
+    mesh: dim 0 replicates, dim 1 shards. The params are sharded over dim 1 and every
+    replica along dim 0 holds the same shards. A [`reduce_scatter()`][gradaccum.reduce_scatter]
+    sync then reduce-scatters within the shard dim (per micro-batch or at the boundary, by
+    its ``policy``) and all-reduces the shards across the replicate dim once per window
+    ([Hybrid sharding](../scale.md)).
+
     Args:
         params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]).
-        group: The process group; ``None`` for the default group.
+        group: The process group or a 1-D ``DeviceMesh``; ``None`` for the default group. A
+            2-D ``DeviceMesh`` of (replicate, shard) dims shards hybrid.
         bucket_mb: Bucket size in MiB (as in [`all_reduce()`][gradaccum.all_reduce]): one
             all-gather and one reduce-scatter per bucket.
         param_groups: A function from a leaf's key path (e.g. ``"['fc.bias']"``) to the name
             of its parameter group. Each group gets shard tensors of its own, so that an
             optimizer can give it its own options and a sync its own gradient policy. Default:
             one group, ``"params"``.
-        src: The rank whose params are the initial values: each bucket is broadcast from it
-            once (so ranks initialised with different seeds still agree). ``None`` takes each
-            rank's own params, which must then be identical.
+        src: The rank (in the shard group) whose params are the initial values: each bucket is
+            broadcast from it once (so ranks initialised with different seeds still agree), and
+            on a 2-D mesh then from replica 0 to the other replicas. ``None`` takes each rank's
+            own params, which must then be identical.
 
     Returns:
         A [`Sharded`][gradaccum.sync.Sharded].
@@ -242,8 +265,8 @@ def shard(
     Raises:
         RuntimeError: torch.distributed is not initialised.
         TypeError: A params leaf is not a floating tensor, or an argument has the wrong kind.
-        ValueError: ``bucket_mb`` is not a positive, finite number, or ``src`` is not a rank
-            of the group.
+        ValueError: ``bucket_mb`` is not a positive, finite number, ``src`` is not a rank
+            of the group, or ``group`` is a mesh of more than 2 dims.
         GradAccumError: The ranks passed params of different key paths, shapes or dtypes (the
             message names the first difference).
 
@@ -299,7 +322,12 @@ def shard(
                 f"group name (a str)."
             )
         names.append(name)
-    comm = Comm(where, group)
+    check_group(where, group)
+    shard_axis, replicate_axis = axes(where, group)
+    comm = Comm(where, shard_axis)
+    rcomm = Comm(where, replicate_axis) if replicate_axis is not None else None
+    if rcomm is not None and rcomm.world == 1:  # a 1 x k mesh: nothing to replicate
+        rcomm = None
     rank, world = comm.rank, comm.world
     if src is not None and (
         isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world
@@ -310,17 +338,21 @@ def shard(
         )
     plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names))
     dev = plan.devices[0] if plan.devices else torch.device("cpu")
-    comm.agree(comm.probe(plan.description, dev), "params to shard")
+    probes = [(c, c.probe(plan.description, dev)) for c in (comm, rcomm) if c is not None]
+    for c, probe in probes:
+        c.agree(probe, "params to shard")
     leaves = _tree.flatten(params)[0]
-    sharded = Sharded(lay, plan, comm, float(bucket_mb))
+    sharded = Sharded(lay, plan, comm, float(bucket_mb), rcomm)
     with torch.no_grad():
         for k, b in enumerate(plan.buckets):
             full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
             for i, off in zip(b.members, b.offsets):
                 full[off : off + lay.shapes[i].numel()].copy_(leaves[i].reshape(-1))
+            what = bucket_what("broadcast", plan.buckets, k, "params bucket")
             if src is not None and world > 1:
-                what = bucket_what("broadcast", plan.buckets, k, "params bucket")
                 comm.wait(comm.broadcast(full, src, what, "params"), what)
+            if src is not None and rcomm is not None:
+                rcomm.wait(rcomm.broadcast(full, 0, what, "params"), what)
             sharded.shards[b.shard][b.start : b.start + b.chunk].copy_(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )

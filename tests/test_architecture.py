@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "leaves",
         {
             "_errors",
+            "_mesh",
             "_tree",
             "_record",
             "_split",

@@ -249,8 +249,8 @@ ALL_REDUCE = "all_reduce(group, bucket_mb=..., check=..., timeout=...): "
         (
             lambda: gradaccum.all_reduce("world"),
             TypeError,
-            ALL_REDUCE + "group must be None (the default group) or a torch.distributed "
-            "ProcessGroup, got str 'world'; pass e.g. dist.new_group([0, 1]).",
+            ALL_REDUCE + "group must be None (the default group), a torch.distributed "
+            "ProcessGroup or a DeviceMesh, got str 'world'; pass e.g. dist.new_group([0, 1]).",
         ),
         (
             lambda: gradaccum.accumulate(grad(mean_loss), 2, sync="all_reduce"),
