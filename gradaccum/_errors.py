@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_mesh"]
+__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor", "is_mesh"]
 
 
 class GradAccumError(RuntimeError):
@@ -35,18 +35,22 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def check_not_dtensor(where: str, what: str, value: Any) -> None:
-    """Refuse a DTensor (found without importing it): its gradients would be all-zero today."""
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
     cls = type(value)
-    if cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed"):
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def check_not_dtensor(where: str, what: str, value: Any) -> None:
+    """Refuse a DTensor where a plain tensor is needed: its gradients would be all-zero."""
+    if is_dtensor(value):
         raise GradAccumError(
             f"{where}: {what} is a DTensor (a parameter of a model wrapped with FSDP2's "
-            f"torch.distributed.fsdp.fully_shard, or made by torch.distributed.tensor); "
-            f"gradaccum does not support DTensor parameters yet and would return wrong (all-zero) "
-            f"gradients for them. Train the model without fully_shard: shard it with "
-            f"sharded = gradaccum.shard(gradaccum.params_of(model)) and "
-            f"sync=gradaccum.reduce_scatter(sharded), or replicate it with "
-            f"sync=gradaccum.all_reduce()."
+            f"fully_shard, or made by torch.distributed.tensor), which gradaccum would give "
+            f"wrong (all-zero) gradients here. For an FSDP2 model, shard it with "
+            f"sharded = gradaccum.shard(model) and sync=gradaccum.reduce_scatter(sharded); the "
+            f"step function then gets the gathered, plain params (step(sharded, batch)) and "
+            f"sharded.write_grads(grads) puts DTensor gradients on the model's parameters."
         )
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.func import functional_call
 
 from ._errors import check_not_dtensor, describe, dtype_name
+from ._fsdp import quiet_fsdp
 
 # The tensors params_of handed out, per module and name (weak: a dropped dict is forgotten), so
 # that call_module can tell a dict taken before Module.to(...) (stale storage) from a user's own
@@ -182,7 +183,10 @@ def call_module(
         ValueError: With ``strict``, a key is unknown or a trainable parameter is missing (the
             message lists both); or ``params`` came from [`params_of()`][gradaccum.params_of]
             before the module was moved to another dtype or device (``module.to(...)``).
-        GradAccumError: A parameter is a DTensor (FSDP2's ``fully_shard``).
+        GradAccumError: A value of ``params`` is a DTensor (FSDP2's ``fully_shard``): pass
+            the gathered params of [`shard(model)`][gradaccum.shard] instead. A module wrapped
+            with ``fully_shard`` runs without FSDP2's hooks (they would gather and reduce on
+            their own), on the params given.
 
     Examples:
         >>> import torch, gradaccum
@@ -210,7 +214,8 @@ def call_module(
     """
     _check_call(module, params, buffers, strict)
     fresh = {k: v.clone() for k, v in buffers.items()}
-    out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
+    with quiet_fsdp(module):
+        out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
     return out, fresh
 
 

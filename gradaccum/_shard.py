@@ -21,6 +21,7 @@ from . import _tree
 from ._checkpoint import check_like, check_meta
 from ._comm import Comm, bucket_what, positive
 from ._errors import GradAccumError, describe
+from ._fsdp import FsdpParams, dtensor_grads, fill_from_locals, fsdp_params
 from ._layout import make_layout
 from ._mesh import Axis, axes, check_group
 from ._shard_plan import ShardPlan, make_shard_plan
@@ -72,9 +73,15 @@ class Sharded:
     """
 
     def __init__(
-        self, layout: Any, plan: ShardPlan, comm: Comm, bucket_mb: float, rcomm: Comm | None
+        self,
+        layout: Any,
+        plan: ShardPlan,
+        comm: Comm,
+        bucket_mb: float,
+        rcomm: Comm | None,
+        fsdp: FsdpParams | None = None,
     ) -> None:
-        self.layout, self.plan, self.bucket_mb = layout, plan, bucket_mb
+        self.layout, self.plan, self.bucket_mb, self.fsdp = layout, plan, bucket_mb, fsdp
         self.shards = tuple(
             torch.zeros(size, dtype=dt, device=dev)
             for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
@@ -133,6 +140,8 @@ class Sharded:
     def _gather(self, where: str, timeout: float | None) -> Any:
         """[`gather`][gradaccum.sync.Sharded.gather], with failures named after ``where``."""
         lay, plan = self.layout, self.plan
+        if self.fsdp is not None:  # the optimizer steps on the model's DTensors
+            fill_from_locals(self)
         comm = Comm(where, self.axis, timeout)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         works = []
@@ -169,6 +178,10 @@ class Sharded:
             "pass the gradients that the accumulated function with "
             "sync=gradaccum.reduce_scatter(sharded) returned",
         )
+        if self.fsdp is not None:  # DTensor gradients on the model's DTensor parameters
+            for p, g in zip(self.fsdp.params, dtensor_grads(self, grads)):
+                p.grad = g
+            return
         for g, s in zip(grads, self.shards):
             s.grad = g
 
@@ -182,11 +195,20 @@ class Sharded:
             "description": list(self.plan.description),
         }
 
+    def _not_fsdp(self, call: str) -> None:
+        if self.fsdp is not None:
+            raise GradAccumError(
+                f"Sharded.{call}: these shards are an FSDP2 model's parameters; checkpoint the "
+                f"model itself (model.state_dict(), or torch.distributed.checkpoint) and the "
+                f"optimizer as you would without gradaccum."
+            )
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards (copies) and the layout they were cut with.
 
         Save one file per rank; ``torch.load(..., weights_only=True)`` reads it back.
         """
+        self._not_fsdp("state_dict()")
         return {
             "format": FORMAT,
             **self._meta(),
@@ -206,6 +228,7 @@ class Sharded:
                 supported](../sharded.md#changing-the-number-of-ranks)).
         """
         where = "Sharded.load_state_dict(state_dict)"
+        self._not_fsdp("load_state_dict(state_dict)")
         check_meta(where, state_dict, FORMAT, self._meta())
         saved = state_dict.get("shards")
         check_like(
@@ -245,7 +268,12 @@ def shard(
     ([Hybrid sharding](../scale.md)).
 
     Args:
-        params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]).
+        params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]),
+            or a model wrapped with FSDP2's ``fully_shard`` (on a 1-D mesh, or a 2-D
+            (replicate, shard) mesh): its parameters stay where they are, one bucket each, and
+            [`write_grads()`][gradaccum.sync.Sharded.write_grads] gives them DTensor gradients
+            ([FSDP2 models](../scale.md#fsdp2-models)). ``group``, ``bucket_mb`` and ``src``
+            do not apply then.
         group: The process group or a 1-D ``DeviceMesh``; ``None`` for the default group. A
             2-D ``DeviceMesh`` of (replicate, shard) dims shards hybrid.
         bucket_mb: Bucket size in MiB (as in [`all_reduce()`][gradaccum.all_reduce]): one
@@ -312,7 +340,11 @@ def shard(
             f"exists; call torch.distributed.init_process_group(...) first (torchrun sets the "
             f"environment for it; a world of one process works too)."
         )
-    lay = make_layout(where, params, None)
+    fsdp = fsdp_params(where, params, group) if isinstance(params, torch.nn.Module) else None
+    if fsdp is not None:  # an FSDP2 model: its mesh, and its own shards as they are
+        lay, group = fsdp.layout, fsdp.mesh
+    else:
+        lay = make_layout(where, params, None)
     names = []
     for path in lay.paths:
         name = param_groups(path) if param_groups is not None else "params"
@@ -336,13 +368,16 @@ def shard(
             f"{where}: src must be None or a rank of the group (0 to {world - 1}), got "
             f"{describe(src)}; pass src=0 to start every rank from rank 0's params."
         )
-    plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names))
+    plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names), fsdp is not None)
     dev = plan.devices[0] if plan.devices else torch.device("cpu")
     probes = [(c, c.probe(plan.description, dev)) for c in (comm, rcomm) if c is not None]
     for c, probe in probes:
         c.agree(probe, "params to shard")
+    sharded = Sharded(lay, plan, comm, float(bucket_mb), rcomm, fsdp)
+    if fsdp is not None:
+        fill_from_locals(sharded)
+        return sharded
     leaves = _tree.flatten(params)[0]
-    sharded = Sharded(lay, plan, comm, float(bucket_mb), rcomm)
     with torch.no_grad():
         for k, b in enumerate(plan.buckets):
             full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)

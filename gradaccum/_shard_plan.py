@@ -50,8 +50,13 @@ class ShardPlan:
     description: tuple[str, ...]  # what the fingerprint covers
 
 
-def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> ShardPlan:
-    """Group leaves by (parameter group, device, dtype), cut each group into buckets, pad."""
+def make_shard_plan(
+    lay: Any, world: int, cap: int, names: tuple[str, ...], rows: bool = False
+) -> ShardPlan:
+    """Group leaves by (parameter group, device, dtype), cut each group into buckets, pad.
+
+    ``rows``: FSDP2's layout, one bucket per leaf padded to a multiple of ``world`` rows (dim 0).
+    """
     groups: dict[tuple[str, torch.device, torch.dtype], list[int]] = {}
     for i in leaf_order(lay.paths):
         groups.setdefault((names[i], lay.devices[i], lay.dtypes[i]), []).append(i)
@@ -60,10 +65,13 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
     for s, ((_, dev, dt), idx) in enumerate(groups.items()):
         start = 0
         nbytes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
-        for run in cut_runs(idx, nbytes, cap):
+        for run in [[i] for i in idx] if rows else cut_runs(idx, nbytes, cap):
             *offs, off = starts(lay, run)
             for i in run:
                 bucket_of_leaf[i] = len(buckets)
+            if rows:  # whole rows per rank: torch.chunk on dim 0, as FSDP2 shards
+                dim0 = lay.shapes[run[0]][0]
+                off = world * -(-dim0 // world) * (off // dim0 if dim0 else 0)
             padded = -(-off // world) * world
             chunk = padded // world
             buckets.append(ShardBucket(s, tuple(run), tuple(offs), padded, chunk, start, dt, dev))
@@ -74,7 +82,10 @@ def make_shard_plan(lay: Any, world: int, cap: int, names: tuple[str, ...]) -> S
         f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} in parameter group {g!r}"
         for p, shape, dt, g in zip(lay.paths, lay.shapes, lay.dtypes, names)
     ]
-    desc.append(f"{len(lay.paths)} params leaves sharded over {world} ranks")
+    desc.append(
+        f"{len(lay.paths)} params leaves sharded over {world} ranks"
+        + (" by rows (FSDP2's layout)" if rows else "")
+    )
     desc.extend(
         f"bucket {k} of {b.padded} {dtype_name(b.dtype)} elements in shard {b.shard}"
         for k, b in enumerate(buckets)

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_buckets",
             "_shard_plan",
             "_checkpoint",
+            "_fsdp",
             "_accum_state",
             "_autograd",
         },

@@ -1,0 +1,142 @@
+"""FSDP2 models (``fully_shard``) through gradaccum, on 2 and 4 gloo processes (127.0.0.1).
+
+A model wrapped with ``fully_shard`` on a 1-D mesh (2 ranks) or a 2x2 (replicate, shard) mesh
+(HSDP, 4 ranks) trains through ``gradaccum.shard(model)`` and a ``reduce_scatter`` sync: the
+gradients land as DTensors on the model's DTensor parameters and equal, in float64, the
+gradient of one process on the global batch (rows split unevenly, one rank empty; parameters
+whose rows do not divide evenly, some ranks holding none); two AdamW steps on
+``model.parameters()`` match the same steps in one process; and FSDP2 itself communicates
+nothing: its hooks are kept quiet, every collective is gradaccum's, counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run, values
+from models import regression_batch
+from test_distributed import _shard
+
+import gradaccum
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+N = 3
+TOL = 1e-12
+SPLITS = {2: (7, 0), 4: (3, 0, 5, 4)}  # rows per rank: uneven, one empty
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 1)
+    ).double()
+
+
+def _loss(model: torch.nn.Module, params: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    out, _ = gradaccum.call_module(model, params, {}, x)
+    return ((out.squeeze(-1) - y) ** 2).mean()
+
+
+def _counting(calls: Counter[str], name: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _fsdp2(rank: int, world: int, shape: tuple[int, ...]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    split = SPLITS[world]
+    rows = sum(split)
+    batch = regression_batch(rows)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    # The reference: one process, the global batch, plain autograd and AdamW.
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    ref_grads = []
+    for _ in range(2):
+        ref_opt.zero_grad()
+        x, y = batch
+        ((ref(x).squeeze(-1) - y) ** 2).mean().backward()
+        ref_grads.append({k: p.grad.clone() for k, p in ref.named_parameters()})
+        ref_opt.step()
+    out: dict[str, Any] = {"diffs": {}, "fsdp traffic": {}, "counts": {}, "kinds": {}}
+    for policy in ("boundary", "every"):
+        model = _model()
+        for layer in (model[0], model[2], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = gradaccum.shard(model)
+        sync = gradaccum.reduce_scatter(sharded, policy=policy)
+        step = gradaccum.accumulate(
+            gradaccum.grad(lambda p, b, m=model: _loss(m, p, b)), N, sync=sync
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        fsdp_calls: Counter[str] = Counter()
+        originals = {k: getattr(dist, k) for k in ("all_gather_single", "reduce_scatter_single")}
+
+        for k, fn in originals.items():
+            setattr(dist, k, _counting(fsdp_calls, k, fn))
+        try:
+            for s in range(2):
+                with gradaccum.sync.record_collectives() as log:
+                    grads = step(sharded, _shard(batch, rank, split))
+                sharded.write_grads(grads)
+                kinds = {
+                    k: (type(p.grad).__name__, p.grad.placements == p.placements)
+                    for k, p in model.named_parameters()
+                }
+                out["kinds"][f"{policy} {s}"] = kinds
+                for k, p in model.named_parameters():
+                    want = ref_grads[s][k.replace("_fsdp_wrapped_module.", "")]
+                    got = p.grad.full_tensor()
+                    out["diffs"][f"{policy} step {s} grad {k}"] = float(
+                        (got - want).abs().max() / want.abs().max().clamp_min(1e-300)
+                    )
+                out["counts"][f"{policy} {s}"] = Counter((c.kind, c.purpose, c.dim) for c in log)
+                opt.step()
+                opt.zero_grad()
+        finally:
+            for k, fn in originals.items():
+                setattr(dist, k, fn)
+        out["fsdp traffic"][policy] = dict(fsdp_calls)
+        for k, p in model.named_parameters():
+            want = dict(ref.named_parameters())[k].detach()
+            out["diffs"][f"{policy} params {k}"] = float(
+                (p.full_tensor() - want).abs().max() / want.abs().max()
+            )
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["1-D mesh on 2", "2x2 HSDP on 4"])
+def test_an_fsdp2_model_trains_exactly_with_gradaccum_collectives_only(
+    shape: tuple[int, ...],
+) -> None:
+    world = 1
+    for size in shape:
+        world *= size
+    for out in values(run(_fsdp2, shape, world=world, timeout=240), world=world):
+        bad = {k: v for k, v in out["diffs"].items() if not v < TOL}
+        assert len(out["diffs"]) == 2 * (2 * 6 + 6)
+        assert not bad, bad
+        for key, kinds in out["kinds"].items():
+            assert set(kinds.values()) == {("DTensor", True)}, (key, kinds)
+        assert out["fsdp traffic"] == {"boundary": {}, "every": {}}
+        for key, counts in out["counts"].items():
+            policy = key.split()[0]
+            leaves = 6  # one bucket per parameter
+            scatter = ("reduce_scatter", "gradients (every)" if policy == "every" else "gradients")
+            assert counts[(*scatter, "shard")] == (N if policy == "every" else 1) * leaves, key
+            assert counts[("all_gather", "params", "shard")] == leaves, key
+            if len(shape) == 2:
+                assert counts[("all_reduce", "gradients", "replicate")] == leaves, key
