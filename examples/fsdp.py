@@ -20,6 +20,14 @@ gradient memory about 1/world, ``n`` times the traffic), or ``mixed`` (``every``
 weights, ``boundary`` for the biases: a policy per parameter group). ``--gather micro_batch``
 all-gathers the parameters before each micro-batch instead of once per step.
 
+``--mesh RxS`` trains the same model hybrid-sharded (HSDP) over an R x S ``DeviceMesh`` of
+(replicate, shard) dims instead of one flat group (R*S must be the number of processes): the
+parameters are sharded over the S ranks of the shard dim and replicated over the R of the
+replicate dim. Gradients are reduce-scattered within the shard dim (per micro-batch or at the
+boundary, as the policy says), and the shards are all-reduced across the replicate dim once per
+optimizer step, whatever ``-n`` is; the clipping norm is reduced over the shard dim. Every rank
+of the mesh still takes its own part of the global batch. See docs/scale.md.
+
 The backend follows the device: NCCL on ``cuda:LOCAL_RANK`` when there is a GPU per local rank,
 otherwise gloo on the CPU (pinned to the loopback interface when all ranks run on this machine).
 
@@ -33,7 +41,7 @@ fails if that differs from the count the policy predicts, on any rank.
 With ``--checkpoint DIR``, each rank saves its shards and its optimizer state to
 ``DIR/rank<RANK>.pt`` halfway through; at the end a fresh ``Sharded`` and optimizer (from other
 initial weights) load them, replay the second half, and must end bit-identical to the
-uninterrupted run. Checkpoints are per rank: resume with the same number of ranks.
+uninterrupted run. Checkpoints are per rank: resume with the same number of ranks (and mesh).
 
 Run it (a few seconds on 2 CPU cores)::
 
@@ -42,6 +50,8 @@ Run it (a few seconds on 2 CPU cores)::
     torchrun --standalone --nproc_per_node 2 examples/fsdp.py --batch 45 --dtype float64 --check
     torchrun --standalone --nproc_per_node 2 examples/fsdp.py --policy mixed --checkpoint /tmp/ckpt
     python examples/fsdp.py --check   # one process: a world of one, the same code path
+    torchrun --standalone --nproc_per_node 4 examples/fsdp.py --mesh 2x2 --check
+    torchrun --standalone --nproc_per_node 4 examples/fsdp.py --mesh 2x2 --policy mixed --check
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.func import functional_call
 from tqdm import tqdm
 
@@ -121,6 +132,17 @@ def loopback_interface() -> str:
     return "lo0" if "lo0" in names and "lo" not in names else "lo"  # macOS calls it lo0
 
 
+def make_mesh(shape: tuple[int, int] | None, device: torch.device) -> DeviceMesh | None:
+    """The (replicate, shard) mesh of ``--mesh RxS``; None for one flat group (the default).
+
+    Rank ``r * S + s`` is shard ``s`` of replica ``r``: ranks that share the replica index hold
+    the same shards (on a cluster, make S the GPUs of a node, so the shard dim stays in one).
+    """
+    if shape is None:
+        return None
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
 def make_teacher(seed: int):
     """A fixed random network whose (noisy) argmax labels the inputs: a learnable task."""
     gen = torch.Generator().manual_seed(seed)
@@ -173,28 +195,34 @@ def make_optimizer(groups: dict[str, list[torch.Tensor]]) -> torch.optim.AdamW:
 class Run:
     """One sharded training run: the shards, their optimizer and the accumulated step."""
 
+    mesh: DeviceMesh | None
     sharded: gradaccum.sync.Sharded
     sync: gradaccum.sync.ReduceScatter
     optimizer: torch.optim.AdamW
     step: Callable
 
 
-def build(args: argparse.Namespace, model: nn.Module, skeleton: nn.Module) -> Run:
-    """Shard ``model``'s params (rank 0's values on every rank); an optimizer and a step on them."""
+def build(
+    args: argparse.Namespace, model: nn.Module, skeleton: nn.Module, mesh: DeviceMesh | None
+) -> Run:
+    """Shard ``model``'s params (rank 0's values on every rank); an optimizer and a step on them.
+
+    Over the default group, or over ``mesh``'s shard dim with replicas along its replicate dim.
+    """
 
     def loss_fn(params: dict[str, torch.Tensor], batch) -> torch.Tensor:
         x, y = batch
         return nn.functional.cross_entropy(functional_call(skeleton, params, (x,)), y)
 
     sharded = gradaccum.shard(
-        gradaccum.params_of(model), bucket_mb=args.bucket_mb, param_groups=param_group
+        gradaccum.params_of(model), mesh, bucket_mb=args.bucket_mb, param_groups=param_group
     )
     optimizer = make_optimizer({name: sharded.group_shards(name) for name in ("decay", "no_decay")})
     sync = gradaccum.reduce_scatter(sharded, policy=POLICIES[args.policy], gather=args.gather)
     # gradaccum.grad_and_value: the fast path. Each backward adds into the boundary buckets in
     # place (boundary) or reduce-scatters each bucket as soon as it is complete (every).
     step = gradaccum.accumulate(gradaccum.grad_and_value(loss_fn), args.n, has_aux=True, sync=sync)
-    return Run(sharded, sync, optimizer, step)
+    return Run(mesh, sharded, sync, optimizer, step)
 
 
 def train_step(
@@ -203,9 +231,9 @@ def train_step(
     """One optimizer step on this rank's part of a global batch; returns what it communicated."""
     with gradaccum.sync.record_collectives() as log:
         grads, loss = run.step(run.sharded, batch)  # this rank's shards of the global gradient
-        grads, norm = gradaccum.boundary.clip_by_global_norm(
-            grads, max_norm, group=dist.group.WORLD
-        )
+        # Over the mesh, the norm is reduced over the shard dim (every replica has the same).
+        group = dist.group.WORLD if run.mesh is None else run.mesh
+        grads, norm = gradaccum.boundary.clip_by_global_norm(grads, max_norm, group=group)
     run.sharded.write_grads(grads)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -213,29 +241,44 @@ def train_step(
 
 
 def expected_collectives(run: Run, n: int) -> collections.Counter:
-    """What one optimizer step must communicate, from the plan alone (no communication)."""
+    """What one optimizer step must communicate, from the plan alone (no communication).
+
+    Keys are (kind, purpose, elements, mesh dim); the dim is None over a flat group.
+    """
     policy = dict(zip(run.sharded.names, run.sync.policies()))  # parameter group -> policy
+    shard, replicate = (None, None) if run.mesh is None else ("shard", "replicate")
+    replicas = run.sharded.replicas  # 1 over a flat group: nothing crosses a replicate dim
     expected: collections.Counter = collections.Counter()
-    expected["all_reduce", "fingerprint", 2] += 1  # the ranks agree on the window's layout
+    expected["all_reduce", "fingerprint", 2, shard] += 1  # the ranks agree on the layout
     for b in run.sync.plan():  # the reduce-scatter buckets (full, padded sizes)
         every = policy[param_group(b.paths[0])] == "every"
-        expected["all_gather", "params", b.numel] += n if run.sync.gather == "micro_batch" else 1
+        gathers = n if run.sync.gather == "micro_batch" else 1
+        expected["all_gather", "params", b.numel, shard] += gathers
         if every:
-            expected["reduce_scatter", "gradients (every)", b.numel] += n
+            expected["reduce_scatter", "gradients (every)", b.numel, shard] += n
         else:
-            expected["reduce_scatter", "gradients", b.numel] += 1
-    expected["all_reduce", "weight", 2] += 1  # the window's rows and the failure flag
-    expected["all_reduce", "norm", 1] += 1  # clip_by_global_norm over the shards
+            expected["reduce_scatter", "gradients", b.numel, shard] += 1
+        if replicas > 1:  # this rank's shard of the bucket, once per step whatever n
+            expected["all_reduce", "gradients", b.numel // run.sharded.world, replicate] += 1
+    expected["all_reduce", "weight", 2, shard] += 1  # the window's rows and the failure flag
+    if replicas > 1:  # the replicas agree on the layout, and sum the weight
+        expected["all_reduce", "fingerprint", 2, replicate] += 1
+        expected["all_reduce", "weight", 2, replicate] += 1
+    expected["all_reduce", "norm", 1, shard] += 1  # clip_by_global_norm over the shards
     return expected
 
 
 def describe_step(log: list[gradaccum.sync.Collective]) -> str:
+    """Count and bytes per kind, purpose and mesh dim (``over shard``; none for a flat group)."""
     count: collections.Counter = collections.Counter()
     nbytes: collections.Counter = collections.Counter()
     for c in log:
-        count[c.kind, c.purpose] += 1
-        nbytes[c.kind, c.purpose] += c.nbytes
-    parts = [f"{count[k]} {k[0]} ({k[1]}) of {nbytes[k]} bytes" for k in count]
+        count[c.kind, c.purpose, c.dim] += 1
+        nbytes[c.kind, c.purpose, c.dim] += c.nbytes
+    parts = [
+        f"{count[k]} {k[0]} ({k[1]}){'' if k[2] is None else f' over {k[2]}'} of {nbytes[k]} bytes"
+        for k in count
+    ]
     return f"{len(log)} collectives, {sum(nbytes.values())} bytes: " + ", ".join(parts)
 
 
@@ -252,20 +295,25 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     reference = copy.deepcopy(model).double() if args.check else None
     # The module lends its structure to functional_call; the params live in the shards.
     skeleton = copy.deepcopy(model).to("meta")
-    run = build(args, model, skeleton)
+    mesh = make_mesh(args.mesh, device)
+    run = build(args, model, skeleton, mesh)
     del model  # from here on, the full params exist only while gathered
     sharded = run.sharded
 
     rows = [len(part) for part in torch.arange(args.batch).tensor_split(world)]
     full = sum(p.numel() for p in skeleton.parameters())
+    layout = (
+        "" if mesh is None else f" as a {mesh.shape[0]}x{mesh.shape[1]} (replicate, shard) mesh"
+    )
     say(
-        f"{world} rank(s), {dist.get_backend()} on {device.type}; {args.steps} steps, "
+        f"{world} rank(s){layout}, {dist.get_backend()} on {device.type}; {args.steps} steps, "
         f"global batch {args.batch} rows = {rows} per rank, {args.n} micro-batches per rank, "
         f"{args.dtype}, policy {args.policy}, gather per {args.gather}",
         f"{full} parameters in {len(run.sync.plan())} bucket(s) of "
-        f"{[b.numel for b in run.sync.plan()]} elements (padded to a multiple of {world}); "
-        f"rank 0 holds {sum(s.numel() for s in sharded.shards)} of them in shards "
-        f"{[tuple(s.shape) for s in sharded.shards]} of groups {list(sharded.names)}",
+        f"{[b.numel for b in run.sync.plan()]} elements (padded to a multiple of "
+        f"{sharded.world}); rank 0 holds {sum(s.numel() for s in sharded.shards)} of them in "
+        f"shards {[tuple(s.shape) for s in sharded.shards]} of groups {list(sharded.names)}"
+        f"{f', replicated on {sharded.replicas} ranks' if sharded.replicas > 1 else ''}",
     )
     if reference is not None:
         ref_optimizer = make_optimizer(
@@ -332,14 +380,14 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     # Expected on every rank, whatever its rows: the same collectives in every step.
     expected = expected_collectives(run, args.n)
     as_expected = all(
-        collections.Counter((c.kind, c.purpose, c.numel) for c in log) == expected
+        collections.Counter((c.kind, c.purpose, c.numel, c.dim) for c in log) == expected
         for log in per_step
     )
 
     resumed_ok = True
     if checkpoint is not None:
         # A fresh start from other initial weights: everything comes from the checkpoint.
-        resumed = build(args, make_model(args.seed + 1).to(device, dtype), skeleton)
+        resumed = build(args, make_model(args.seed + 1).to(device, dtype), skeleton, mesh)
         state = torch.load(checkpoint, weights_only=True)
         resumed.sharded.load_state_dict(state["sharded"])  # first the shards...
         resumed.optimizer.load_state_dict(state["optimizer"])  # ...then the optimizer on them
@@ -378,6 +426,16 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     return 0 if ok else 1
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> (2, 4): R replicas of S shards."""
+    r, x, s = text.lower().partition("x")
+    if not (x and r.isdigit() and s.isdigit() and int(r) >= 1 and int(s) >= 1):
+        raise argparse.ArgumentTypeError(
+            f"expected RxS, two positive integers (replicas x shards) such as 2x2, but got {text!r}"
+        )
+    return int(r), int(s)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
@@ -394,12 +452,26 @@ def main(argv: list[str] | None = None) -> int:
         "--bucket-mb", type=float, default=0.01, help="bucket size in MiB (default 0.01: 3 buckets)"
     )
     parser.add_argument("--checkpoint", metavar="DIR", help="save halfway, resume, compare")
+    parser.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        metavar="RxS",
+        help="hybrid sharding over R replicas x S shards, R*S = processes (default: one group)",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--check", action="store_true", help="compare with a float64 reference")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.n < 1 or args.batch < 1 or args.bucket_mb <= 0:
         parser.error("need --steps >= 1, -n >= 1, --batch >= 1 and --bucket-mb > 0")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 without it
+    if args.mesh is not None and args.mesh[0] * args.mesh[1] != world:
+        r, s = args.mesh
+        parser.error(
+            f"--mesh {r}x{s}: expected R x S to equal the number of processes, {world}, but "
+            f"{r} x {s} = {r * s}; pass --mesh RxS with R*S = {world} (e.g. --mesh 1x{world}), "
+            f"or run {r * s} processes (torchrun --nproc_per_node {r * s})"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: PyTorch sees no CUDA device here; use --device cpu")
     # The model is tiny: one intra-op thread per rank is the fastest, also on a busy machine.

@@ -162,6 +162,89 @@ def test_fsdp(
     assert max_difference(stdout) <= tol
 
 
+# On a 2x2 (replicate, shard) mesh: 5,508 params in 3 buckets of [4352, 1024, 132] elements,
+# each rank's shard half of each. Reduce-scatters (and gathers) within the shard dim, as the
+# policy says; one all_reduce of each shard across the replicate dim per step, whatever n; the
+# fingerprint and the weight over both dims; the clipping norm over the shard dim.
+MESH_COMMON = (
+    "1 all_reduce (fingerprint) over shard of 16 bytes, "
+    "1 all_reduce (fingerprint) over replicate of 16 bytes, "
+)
+MESH_TAIL = (
+    "1 all_reduce (weight) over shard of 16 bytes, "
+    "1 all_reduce (weight) over replicate of 16 bytes, "
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "args", "tol", "per_step"),
+    [
+        # float32, n=4: the weights (4352 + 1024) every micro-batch, the biases (132) once.
+        (
+            "mixed",
+            ("--dtype", "float32"),
+            1e-4,
+            "20 collectives, 119660 bytes: "
+            + MESH_COMMON
+            + "3 all_gather (params) over shard of 22032 bytes, "
+            "8 reduce_scatter (gradients (every)) over shard of 86016 bytes, "
+            "3 all_reduce (gradients) over replicate of 11016 bytes, "
+            "1 reduce_scatter (gradients) over shard of 528 bytes, "
+            + MESH_TAIL
+            + "1 all_reduce (norm) over shard of 4 bytes",
+        ),
+        # float64, n=3, 45 rows (12, 11, 11, 11), params gathered per micro-batch.
+        (
+            "every",
+            ("--dtype", "float64", "--batch", "45", "-n", "3", "--gather", "micro_batch"),
+            1e-9,
+            "26 collectives, 286488 bytes: "
+            + MESH_COMMON
+            + "9 all_gather (params) over shard of 132192 bytes, "
+            "9 reduce_scatter (gradients (every)) over shard of 132192 bytes, "
+            "3 all_reduce (gradients) over replicate of 22032 bytes, "
+            + MESH_TAIL
+            + "1 all_reduce (norm) over shard of 8 bytes",
+        ),
+    ],
+    ids=["mixed-float32", "every-float64-unequal-micro_batch"],
+)
+def test_fsdp_mesh(
+    policy: str, args: tuple[str, ...], tol: float, per_step: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("tqdm", reason="examples/fsdp.py needs the [examples] extra")
+    common = ("--mesh", "2x2", "--check", "--steps", "10", "--device", "cpu")
+    common += ("--checkpoint", str(tmp_path), "--policy", policy)
+    stdout = run_torchrun("fsdp.py", *common, *args, nproc=4)
+    assert "4 rank(s) as a 2x2 (replicate, shard) mesh, gloo on cpu; 10 steps" in stdout
+    assert "(padded to a multiple of 2); rank 0 holds 2754 of them" in stdout
+    if "--batch" in args:
+        assert "global batch 45 rows = [12, 11, 11, 11] per rank" in stdout
+    after = re.search(r"^collectives per step after that: (.*)$", stdout, re.M)
+    assert after, stdout
+    assert after.group(1) == per_step
+    assert "collectives as the plan predicts, in every step on every rank: True" in stdout
+    assert "bit-identical to the uninterrupted run: True" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(4)]
+    assert max_difference(stdout) <= tol
+
+
+def test_fsdp_mesh_must_cover_the_world() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", str(EXAMPLES / "fsdp.py"), "--mesh", "2x2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.rstrip().endswith(
+        "fsdp.py: error: --mesh 2x2: expected R x S to equal the number of processes, 1, but "
+        "2 x 2 = 4; pass --mesh RxS with R*S = 1 (e.g. --mesh 1x1), or run 4 processes "
+        "(torchrun --nproc_per_node 4)"
+    ), proc.stderr
+
+
 @pytest.mark.parametrize(
     ("reduce", "args", "per_step"),
     [
