@@ -140,3 +140,54 @@ def test_an_fsdp2_model_trains_exactly_with_gradaccum_collectives_only(
             assert counts[("all_gather", "params", "shard")] == leaves, key
             if len(shape) == 2:
                 assert counts[("all_reduce", "gradients", "replicate")] == leaves, key
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    partly = _model()
+    fully_shard(partly[0], mesh=mesh)  # the other layers stay plain
+    other = torch.nn.Linear(4, 4).double()
+    fully_shard(other, mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    model = _model()
+    fully_shard(model, mesh=mesh)
+    sharded = gradaccum.shard(model)
+    return {
+        "partly": _error(lambda: gradaccum.shard(partly)),
+        "placement": _error(lambda: gradaccum.shard(other)),
+        "params_of": _error(lambda: gradaccum.params_of(model)),
+        "state_dict": _error(sharded.state_dict),
+        "other group": _error(lambda: gradaccum.shard(model, dist.new_group([0, 1]))),
+    }
+
+
+def test_unsupported_fsdp2_setups_are_refused() -> None:
+    for out in values(run(_refusals, world=2, timeout=120), world=2):
+        where = "shard(params, group, bucket_mb=..., param_groups=..., src=...): "
+        assert out["partly"].startswith(
+            f"ValueError: {where}params is a module that is not wholly wrapped with FSDP2's "
+            f"fully_shard (parameters that are not DTensors: ['2.bias', '2.weight', "
+        ), out
+        assert out["placement"].startswith(
+            f"GradAccumError: {where}parameter 'weight' is sharded as [Shard(dim=1)]"
+        ), out
+        assert "(no shard_placement_fn)" in out["placement"], out
+        assert out["params_of"].startswith(
+            "GradAccumError: params_of(module): parameter '0.weight' is a DTensor"
+        ), out
+        assert "sharded = gradaccum.shard(model)" in out["params_of"], out
+        assert out["state_dict"].startswith(
+            "GradAccumError: Sharded.state_dict(): these shards are an FSDP2 model's parameters"
+        ), out
+        assert out["other group"].startswith(f"ValueError: {where}group is "), out
