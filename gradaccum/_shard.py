@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import _tree
 from ._checkpoint import check_like, check_meta
 from ._comm import Comm, bucket_what, positive
-from ._errors import GradAccumError, describe
+from ._errors import GradAccumError, describe, is_mesh
 from ._fsdp import FsdpParams, dtensor_grads, fill_from_locals, fsdp_params
 from ._layout import make_layout
 from ._mesh import Axis, axes, check_group
@@ -94,6 +94,7 @@ class Sharded:
         self.replicate_axis = None if rcomm is None else Axis(rcomm.group, rcomm.dim)
         self.replicate = None if rcomm is None else rcomm.group
         self.replicas = 1 if rcomm is None else rcomm.world
+        self.mesh: Any = None  # the DeviceMesh it was sharded over, if any
 
     def __repr__(self) -> str:
         full = sum(s.numel() for s in self.layout.shapes)
@@ -374,6 +375,7 @@ def shard(
     for c, probe in probes:
         c.agree(probe, "params to shard")
     sharded = Sharded(lay, plan, comm, float(bucket_mb), rcomm, fsdp)
+    sharded.mesh = group if is_mesh(group) else None
     if fsdp is not None:
         fill_from_locals(sharded)
         return sharded

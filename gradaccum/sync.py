@@ -12,6 +12,8 @@ from ._all_reduce import AllReduce as AllReduce
 from ._buckets import Bucket as Bucket
 from ._comm import Comm as Comm
 from ._custom import CustomReduce as CustomReduce
+from ._dcp import ShardedCheckpoint as ShardedCheckpoint
+from ._dcp import dcp_checkpoint as dcp_checkpoint
 from ._record import Collective as Collective
 from ._record import record_collectives as record_collectives
 from ._reduce_scatter import ReduceScatter as ReduceScatter
@@ -30,8 +32,10 @@ __all__ = [
     "Local",
     "ReduceScatter",
     "Sharded",
+    "ShardedCheckpoint",
     "Sync",
     "Window",
     "WindowSpec",
+    "dcp_checkpoint",
     "record_collectives",
 ]

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("protocol and transport", {"_comm", "_window"}),
-    ("syncs", {"_all_reduce", "_shard", "_scatter_window", "_reduce_scatter", "_custom"}),
+    ("syncs", {"_all_reduce", "_shard", "_scatter_window", "_reduce_scatter", "_custom", "_dcp"}),
     ("core", {"_engine", "_accumulate", "_state"}),
     ("extras", {"_boundary", "_compress", "_dp", "_module", "testing"}),
     ("public", {"__init__", "sync", "boundary", "compression", "privacy", "streaming"}),
