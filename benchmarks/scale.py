@@ -33,7 +33,8 @@ Bytes are tensor bytes per rank and optimizer step, the convention of
 full output, an all-reduce its tensor. gradaccum's come from ``record_collectives()``; FSDP2's
 from wrapping the ``torch.distributed`` functions it calls (``all_gather_single``,
 ``reduce_scatter_single``, ``all_reduce``, and the other collectives, which it does not call
-here), each mapped to its mesh dim by its process group; DDP's from a counting comm hook. Counted
+here), each mapped to its mesh dim by its process group; DDP's the same way (a comm hook that calls
+``dist.all_reduce``). Counted
 on the last step. Link bytes of a ring are smaller by (k-1)/k (reduce-scatter, all-gather) or
 larger by 2(k-1)/k (all-reduce) over k ranks: see ``docs/scale.md``.
 
@@ -133,7 +134,6 @@ class DistCounter:
     def __init__(self, mesh: Any) -> None:
         self.dims = {id(mesh.get_group(d)): d for d in DIMS}
         self.on = False
-        self.log: list[tuple[str, str, int, int]] = []
         self.saved: dict[str, Any] = {}
 
     def _wrap(self, name: str, fn: Any) -> Any:
@@ -177,10 +177,9 @@ class DistCounter:
             setattr(dist, name, fn)
 
 
-def _ddp_hook(log, bucket):  # no annotations: DDP checks them against its own types
-    t = bucket.buffer()
-    log.append(("all_reduce", "world", t.numel(), t.numel() * t.element_size()))
-    fut = dist.all_reduce(t, async_op=True).get_future()
+def _ddp_hook(_state, bucket):  # no annotations: DDP checks them against its own types
+    # dist.all_reduce, so that DistCounter counts it (DDP's own reducer would bypass it).
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
 
 
@@ -192,7 +191,6 @@ class Strategy:
 
     def __init__(self, name: str, job: dict[str, Any], mesh: Any, counter: DistCounter) -> None:
         self.name, self.n, self.counter = name, job["n"], counter
-        self.log: list[tuple[str, str, int, int]] = []
         model = build(job["layers"], job["width"])
         self.names = [k for k, _ in model.named_parameters()]
         self.model = model
@@ -222,14 +220,13 @@ class Strategy:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp = DDP(model, bucket_cap_mb=job["bucket_mb"])
-            self.ddp.register_comm_hook(self.log, _ddp_hook)
+            self.ddp.register_comm_hook(None, _ddp_hook)
             self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         else:
             raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
 
     def run(self, batch: Any) -> list[tuple[str, str, int, int]]:
         """One optimizer step; return its collectives (kind, dim, numel, nbytes)."""
-        self.log.clear()
         n = self.n
         if self.name in GA:
             with gradaccum.sync.record_collectives() as rec:
@@ -257,7 +254,7 @@ class Strategy:
                         (F.cross_entropy(module(x), y) / n).backward()
             finally:
                 self.counter.on = False
-            log = self.counter.log + self.log
+            log = self.counter.log
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return log
@@ -487,6 +484,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{'same' if got_f == want_f else 'DIFFERENT'} (not part of the exit status); "
             f"params all-gathered {measured[k]['intra params count']} times "
             f"({measured[k]['intra params'] / (p * b):.1f} P b)"
+        )
+
+    if "ddp-no_sync" in measured:
+        got_d = measured["ddp-no_sync"]["world grads"]
+        print(
+            f"  ddp-no_sync: all-reduce over the 4 ranks, expected P b = {p * b}, measured "
+            f"{got_d}: {'same' if got_d == p * b else 'DIFFERENT'} (not part of the exit status)"
         )
 
     diffs = ranks[0]["diffs"]
