@@ -456,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{t[c] / KIB:,.1f} ({t[c + ' count']})" if t[c] else "0")
         cells.append(str(t["small"]))
         print(f"| {k} | " + " | ".join(cells) + f" | {med[k]:.1f} | {med[k] / med[REF]:.2f} |")
+    pairs = [("ga-boundary", "fsdp2-keep-params"), ("ga-every", "fsdp2-no-all-reduce")]
+    like = [f"{a} / {f} {med[a] / med[f]:.2f}" for a, f in pairs if a in med and f in med]
+    if like:
+        print(f"\nthe same gradient bytes per tier: {', '.join(like)}")
     for r, rank in enumerate(ranks[1:], 1):
         for k in names:
             if tiers(rank["logs"][k]) != measured[k]:
