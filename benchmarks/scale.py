@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build(args.layers, args.width)
     p = sum(t.numel() for t in model.parameters())
     p_every = sum(t.numel() for k, t in model.named_parameters() if _group_of(k) == "weights")
+    # The formula has no padding: every leaf, hence every bucket, divides by the shard size.
+    assert all(t.numel() % SHAPE[1] == 0 for t in model.parameters())
     b = 4
     argv_shown = " ".join(sys.argv[1:] if argv is None else argv)
     print(
@@ -474,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         want = expected(k, args.n, p, p_every, b)
         got = {c: measured[k][c] for c in want}
-        good = got == want
+        # Every rank, not only rank 0, must have sent what the formula says.
+        good = all({c: tiers(r["logs"][k])[c] for c in want} == want for r in ranks)
         ok &= good
         print(f"  {k:<12} expected {want}\n  {'':<12} measured {got}: {'OK' if good else 'NO'}")
     for k in names:
