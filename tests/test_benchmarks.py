@@ -139,3 +139,37 @@ def test_ab_overhead_runs_two_copies_side_by_side() -> None:
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if "second/first" in line]
     assert len(rows) == 6, proc.stdout
+
+
+SCALE = Path(__file__).resolve().parent.parent / "benchmarks" / "scale.py"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_scale_quick() -> None:
+    # 4 gloo processes on a 2x2 mesh: gradaccum's hybrid policies against FSDP2's knobs.
+    proc = subprocess.run(
+        [sys.executable, str(SCALE), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"scale.py exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+        f"--- stderr\n{proc.stderr[-4000:]}"
+    )
+    out = proc.stdout
+    assert "| strategy | intra grads | intra params | inter grads | all 4 ranks |" in out
+    for name in (
+        "ga-every",
+        "ga-boundary",
+        "ga-mixed",
+        "fsdp2-no-grad-sync",
+        "fsdp2-no-all-reduce",
+        "ddp-no_sync",
+    ):
+        assert f"| {name} | " in out, name
+    assert out.count(": OK\n") == 3, out  # gradaccum's bytes per tier equal the formula
+    assert "formula check: OK; params agree (<= 1e-05): yes" in out
