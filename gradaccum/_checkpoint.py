@@ -210,9 +210,9 @@ def check_meta(where: str, sd: Any, fmt: str, meta: dict[str, Any]) -> None:
     if sd.get("world") != meta["world"]:
         raise GradAccumError(
             f"{where}: the state was saved with world size {sd.get('world')!r} but this group "
-            f"has {meta['world']} ranks; resharding a checkpoint is not supported. Resume with "
-            f"world size {sd.get('world')!r}, or gather the params there "
-            f"(Sharded.gather()), save them whole and call gradaccum.shard on them here."
+            f"has {meta['world']} ranks, and these per-rank files cannot be resharded. Resume "
+            f"with world size {sd.get('world')!r}, or save with torch.distributed.checkpoint "
+            f"through gradaccum.sync.dcp_checkpoint(sharded, optimizer), which reshards."
         )
     if sd.get("rank") != meta["rank"]:
         raise GradAccumError(

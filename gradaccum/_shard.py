@@ -225,8 +225,8 @@ class Sharded:
         Raises:
             GradAccumError: The state was saved by another rank, with another world size or
                 another layout (params, parameter groups or ``bucket_mb``); the message names
-                the first difference and the fix ([resharding is not
-                supported](../sharded.md#changing-the-number-of-ranks)).
+                the first difference and the fix (to change the number of ranks, see
+                [`dcp_checkpoint()`](../sharded.md#changing-the-number-of-ranks)).
         """
         where = "Sharded.load_state_dict(state_dict)"
         self._not_fsdp("load_state_dict(state_dict)")
