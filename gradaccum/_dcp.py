@@ -28,6 +28,19 @@ class ShardedCheckpoint:
     Make one with [`dcp_checkpoint()`][gradaccum.sync.dcp_checkpoint] and put it in the dict
     given to ``dcp.save`` / ``dcp.load``, which call its ``state_dict`` and
     ``load_state_dict`` (DCP's ``Stateful`` protocol).
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist, gradaccum
+        >>> import torch.distributed.checkpoint as dcp
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(3)})
+        >>> path = tempfile.mkdtemp()
+        >>> _ = dcp.save({"train": gradaccum.sync.dcp_checkpoint(sharded)}, checkpoint_id=path)
+        >>> other = gradaccum.shard({"w": torch.zeros(3)})
+        >>> dcp.load({"train": gradaccum.sync.dcp_checkpoint(other)}, checkpoint_id=path)
+        >>> other.gather()["w"]
+        tensor([1., 1., 1.])
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, sharded: Sharded, optimizer: torch.optim.Optimizer | None) -> None:
@@ -159,6 +172,21 @@ def dcp_checkpoint(
         ValueError: ``optimizer`` steps on tensors that are not ``sharded.shards``.
 
     Examples:
+        One process ([`ShardedCheckpoint`][gradaccum.sync.ShardedCheckpoint] loads too):
+
+        >>> import tempfile, torch, torch.distributed as dist, gradaccum
+        >>> import torch.distributed.checkpoint as dcp
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(3)})
+        >>> opt = torch.optim.AdamW(sharded.shards, lr=0.1)
+        >>> ckpt = gradaccum.sync.dcp_checkpoint(sharded, opt)
+        >>> sorted(ckpt.state_dict())
+        ['format', 'layout', 'optimizer', 'params']
+        >>> _ = dcp.save({"train": ckpt}, checkpoint_id=tempfile.mkdtemp())
+        >>> dist.destroy_process_group()
+
+        In a training loop:
+
         ```python
         import torch.distributed.checkpoint as dcp
 
@@ -255,6 +283,19 @@ def dcp_save(
         accumulator: The [`Accumulator`][gradaccum.Accumulator] whose ``state`` to save, or
             ``None``.
         state: Its current state (with ``accumulator``).
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(3)})
+        >>> opt = torch.optim.AdamW(sharded.shards, lr=0.1)
+        >>> acc = gradaccum.Accumulator(2, sync=gradaccum.reduce_scatter(sharded))
+        >>> state = acc.add(acc.init(sharded), {"w": torch.ones(3)}, size=1)  # mid-window
+        >>> path = tempfile.mkdtemp()
+        >>> gradaccum.sync.dcp_save(path, sharded, opt, accumulator=acc, state=state)
+        >>> dist.destroy_process_group()
+
+        [`dcp_load()`][gradaccum.sync.dcp_load] reads it back.
     """
     from torch.distributed.checkpoint import state_dict_saver
 
@@ -309,6 +350,24 @@ def dcp_load(
     Raises:
         GradAccumError: The checkpoint is of another layout, or it holds a window in progress
             and this world differs from the one that saved it.
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> def build(value):
+        ...     sharded = gradaccum.shard({"w": torch.full((3,), value)})
+        ...     opt = torch.optim.AdamW(sharded.shards, lr=0.1)
+        ...     sync = gradaccum.reduce_scatter(sharded)
+        ...     return sharded, opt, gradaccum.Accumulator(2, sync=sync)
+        >>> sharded, opt, acc = build(1.0)
+        >>> state = acc.add(acc.init(sharded), {"w": torch.ones(3)}, size=1)
+        >>> path = tempfile.mkdtemp()
+        >>> gradaccum.sync.dcp_save(path, sharded, opt, accumulator=acc, state=state)
+        >>> sharded, opt, acc = build(0.0)  # elsewhere: other values, the same layout
+        >>> state = gradaccum.sync.dcp_load(path, sharded, opt, accumulator=acc)
+        >>> sharded.gather()["w"], state.micro_step
+        (tensor([1., 1., 1.]), 1)
+        >>> dist.destroy_process_group()
     """
     from torch.distributed.checkpoint import state_dict_loader
 
