@@ -14,8 +14,8 @@ from ._comm import Comm as Comm
 from ._custom import CustomReduce as CustomReduce
 from ._dcp import ShardedCheckpoint as ShardedCheckpoint
 from ._dcp import dcp_checkpoint as dcp_checkpoint
-from ._dcp import dcp_load as dcp_load
-from ._dcp import dcp_save as dcp_save
+from ._dcp_state import dcp_load as dcp_load
+from ._dcp_state import dcp_save as dcp_save
 from ._record import Collective as Collective
 from ._record import record_collectives as record_collectives
 from ._reduce_scatter import ReduceScatter as ReduceScatter

@@ -1,0 +1,190 @@
+"""Save and load shards, optimizer state and an accumulator's window with DCP, one call each way.
+
+The params and optimizer state go through [`dcp_checkpoint()`][gradaccum.sync.dcp_checkpoint]
+(resharded on load). A window in progress is per rank: each of its tensors is saved as one row
+of a DTensor with a row per rank of the mesh, so it loads on the same ranks only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from ._dcp import dcp_checkpoint
+from ._errors import GradAccumError
+from ._shard import Sharded
+
+__all__ = ["dcp_load", "dcp_save"]
+
+
+def _per_rank(mesh: Any, local: torch.Tensor) -> Any:
+    """This rank's row of a tensor with one row per rank of ``mesh`` (every dim sharded)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    view = local.reshape((1,) * mesh.ndim + (-1,))
+    shape = torch.Size([*mesh.shape, local.numel()])
+    place = [Shard(d) for d in range(mesh.ndim)]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(view, mesh, place, run_check=False, shape=shape, stride=stride)
+
+
+def dcp_save(
+    checkpoint_id: Any,
+    sharded: Sharded,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    accumulator: Any = None,
+    state: Any = None,
+) -> None:
+    """Save the shards, an optimizer's state and an accumulator's window with DCP.
+
+    The params and optimizer state are saved as by
+    [`dcp_checkpoint()`][gradaccum.sync.dcp_checkpoint] (they reshard on load). A window in
+    progress (``state`` of an [`Accumulator`][gradaccum.Accumulator] with a
+    [`reduce_scatter()`][gradaccum.reduce_scatter] sync) is saved per rank: it resumes
+    bit-identically on the same ranks; between windows, on any number.
+
+    Args:
+        checkpoint_id: Where to save (a directory), as for ``torch.distributed.checkpoint.save``.
+        sharded: What [`shard()`][gradaccum.shard] returned.
+        optimizer: An optimizer over ``sharded.shards``, or ``None``.
+        accumulator: The [`Accumulator`][gradaccum.Accumulator] whose ``state`` to save, or
+            ``None``.
+        state: Its current state (with ``accumulator``).
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> sharded = gradaccum.shard({"w": torch.ones(3)})
+        >>> opt = torch.optim.AdamW(sharded.shards, lr=0.1)
+        >>> acc = gradaccum.Accumulator(2, sync=gradaccum.reduce_scatter(sharded))
+        >>> state = acc.add(acc.init(sharded), {"w": torch.ones(3)}, size=1)  # mid-window
+        >>> path = tempfile.mkdtemp()
+        >>> gradaccum.sync.dcp_save(path, sharded, opt, accumulator=acc, state=state)
+        >>> dist.destroy_process_group()
+
+        [`dcp_load()`][gradaccum.sync.dcp_load] reads it back.
+    """
+    from torch.distributed.checkpoint import state_dict_saver
+
+    ckpt = dcp_checkpoint(sharded, optimizer)
+    out: dict[str, Any] = {"train": ckpt}
+    if accumulator is not None:
+        sd = accumulator.state_dict(state)
+        mesh = ckpt._mesh
+        w = sd["weight"]
+        counters = [float(w), float(isinstance(w, torch.Tensor)), sd["micro_step"], sd["steps"]]
+        mid = sd["full"] is not None
+        bufs = [*(sd["full"] or []), *(sd["out"] or [])]
+        out["accumulator"] = {
+            "meta": json.dumps(  # one value, not a dict: the loader cannot know its keys
+                {
+                    **{k: sd[k] for k in ("format", "reduction", "policies", "accum_dtypes")},
+                    "window": sd["window"],
+                    "world": list(mesh.shape),
+                    "mid_window": mid,
+                    "buffers": [None if b is None else [str(b.dtype), b.numel()] for b in bufs],
+                    "full": len(sd["full"] or []),
+                }
+            ),
+            "counters": _per_rank(mesh, torch.tensor(counters, dtype=torch.float64)),
+            "buffers": {f"b{i}": _per_rank(mesh, b) for i, b in enumerate(bufs) if b is not None},
+        }
+    state_dict_saver.save(out, checkpoint_id=checkpoint_id)
+
+
+def dcp_load(
+    checkpoint_id: Any,
+    sharded: Sharded,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    accumulator: Any = None,
+) -> Any:
+    """Load what [`dcp_save()`][gradaccum.sync.dcp_save] saved; return the accumulator's state.
+
+    The params and optimizer state are resharded to this world. The window that was in
+    progress is restored on the same ranks (bit-identical); saved between windows, the
+    accumulator resumes on any number of ranks at the next window.
+
+    Args:
+        checkpoint_id: Where it was saved.
+        sharded: Shards of the same params, ``param_groups`` and ``bucket_mb``.
+        optimizer: An optimizer over ``sharded.shards`` (its state is replaced), or ``None``.
+        accumulator: The [`Accumulator`][gradaccum.Accumulator] to resume, or ``None``.
+
+    Returns:
+        The accumulator's state (``None`` without ``accumulator``).
+
+    Raises:
+        GradAccumError: The checkpoint is of another layout, or it holds a window in progress
+            and this world differs from the one that saved it.
+
+    Examples:
+        >>> import tempfile, torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> def build(value):
+        ...     sharded = gradaccum.shard({"w": torch.full((3,), value)})
+        ...     opt = torch.optim.AdamW(sharded.shards, lr=0.1)
+        ...     sync = gradaccum.reduce_scatter(sharded)
+        ...     return sharded, opt, gradaccum.Accumulator(2, sync=sync)
+        >>> sharded, opt, acc = build(1.0)
+        >>> state = acc.add(acc.init(sharded), {"w": torch.ones(3)}, size=1)
+        >>> path = tempfile.mkdtemp()
+        >>> gradaccum.sync.dcp_save(path, sharded, opt, accumulator=acc, state=state)
+        >>> sharded, opt, acc = build(0.0)  # elsewhere: other values, the same layout
+        >>> state = gradaccum.sync.dcp_load(path, sharded, opt, accumulator=acc)
+        >>> sharded.gather()["w"], state.micro_step
+        (tensor([1., 1., 1.]), 1)
+        >>> dist.destroy_process_group()
+    """
+    from torch.distributed.checkpoint import state_dict_loader
+
+    where = "dcp_load(checkpoint_id, sharded, optimizer, accumulator=...)"
+    ckpt = dcp_checkpoint(sharded, optimizer)
+    mesh, meta = ckpt._mesh, {}
+    if accumulator is not None:  # first what it holds: refuse before anything is loaded
+        head: dict[str, Any] = {"accumulator": {"meta": ""}}
+        state_dict_loader.load(head, checkpoint_id=checkpoint_id)
+        meta = json.loads(head["accumulator"]["meta"])
+        if meta.get("mid_window") and meta["world"] != list(mesh.shape):
+            raise GradAccumError(
+                f"{where}: the checkpoint holds a window in progress, saved on a mesh of "
+                f"{meta['world']} ranks, but this one is {list(mesh.shape)}; a window's running "
+                f"sums are per rank. Resume it on {meta['world']} ranks, or save between windows "
+                f"(after finalize) to change the number of ranks. Nothing was loaded."
+            )
+    state_dict_loader.load({"train": ckpt}, checkpoint_id=checkpoint_id)
+    if accumulator is None:
+        return None
+    fresh = accumulator.init(sharded)
+    if not meta.get("mid_window"):
+        return fresh._replace(window=meta["window"])
+    counters = _per_rank(mesh, torch.zeros(4, dtype=torch.float64))
+    bufs = {
+        f"b{i}": _per_rank(mesh, torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch."))))
+        for i, spec in enumerate(meta["buffers"])
+        if spec is not None
+        for d, n in [spec]
+    }
+    body = {"accumulator": {"counters": counters, "buffers": bufs}}
+    state_dict_loader.load(body, checkpoint_id=checkpoint_id)
+    weight, is_tensor, micro_step, steps = counters.to_local().reshape(-1).tolist()
+    flat = [
+        None if spec is None else bufs[f"b{i}"].to_local().reshape(-1)
+        for i, spec in enumerate(meta["buffers"])
+    ]
+    sd = {
+        **{k: meta[k] for k in ("format", "reduction", "policies", "accum_dtypes")},
+        **sharded._meta(),
+        "weight": torch.tensor(weight, dtype=torch.float64)
+        if is_tensor
+        else (int(weight) if meta["reduction"] == "mean" else weight),
+        "micro_step": int(micro_step),
+        "window": meta["window"],
+        "steps": int(steps),
+        "full": flat[: meta["full"]],
+        "out": flat[meta["full"] :],
+    }
+    return accumulator.load_state_dict(fresh, sd)
