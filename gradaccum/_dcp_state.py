@@ -48,7 +48,9 @@ def dcp_save(
 
     Args:
         checkpoint_id: Where to save (a directory), as for ``torch.distributed.checkpoint.save``.
-        sharded: What [`shard()`][gradaccum.shard] returned.
+        sharded: What [`shard()`][gradaccum.shard] returned. For an FSDP2 model's shards,
+            only the accumulator is saved here: save the model and its optimizer with DCP's
+            ``get_state_dict`` (and pass ``optimizer=None``).
         optimizer: An optimizer over ``sharded.shards``, or ``None``.
         accumulator: The [`Accumulator`][gradaccum.Accumulator] whose ``state`` to save, or
             ``None``.
@@ -69,11 +71,10 @@ def dcp_save(
     """
     from torch.distributed.checkpoint import state_dict_saver
 
-    ckpt = dcp_checkpoint(sharded, optimizer)
-    out: dict[str, Any] = {"train": ckpt}
+    ckpt, mesh = _parts("dcp_save(checkpoint_id, sharded, optimizer, ...)", sharded, optimizer)
+    out: dict[str, Any] = {} if ckpt is None else {"train": ckpt}
     if accumulator is not None:
         sd = accumulator.state_dict(state)
-        mesh = ckpt._mesh
         w = sd["weight"]
         counters = [float(w), float(isinstance(w, torch.Tensor)), sd["micro_step"], sd["steps"]]
         mid = sd["full"] is not None
@@ -142,8 +143,8 @@ def dcp_load(
     from torch.distributed.checkpoint import state_dict_loader
 
     where = "dcp_load(checkpoint_id, sharded, optimizer, accumulator=...)"
-    ckpt = dcp_checkpoint(sharded, optimizer)
-    mesh, meta = ckpt._mesh, {}
+    ckpt, mesh = _parts(where, sharded, optimizer)
+    meta: dict[str, Any] = {}
     if accumulator is not None:  # first what it holds: refuse before anything is loaded
         head: dict[str, Any] = {"accumulator": {"meta": ""}}
         state_dict_loader.load(head, checkpoint_id=checkpoint_id)
@@ -155,7 +156,8 @@ def dcp_load(
                 f"sums are per rank. Resume it on {meta['world']} ranks, or save between windows "
                 f"(after finalize) to change the number of ranks. Nothing was loaded."
             )
-    state_dict_loader.load({"train": ckpt}, checkpoint_id=checkpoint_id)
+    if ckpt is not None:
+        state_dict_loader.load({"train": ckpt}, checkpoint_id=checkpoint_id)
     if accumulator is None:
         return None
     fresh = accumulator.init(sharded)
@@ -188,3 +190,17 @@ def dcp_load(
         "out": flat[meta["full"] :],
     }
     return accumulator.load_state_dict(fresh, sd)
+
+
+def _parts(where: str, sharded: Sharded, optimizer: Any) -> tuple[Any, Any]:
+    """The params' checkpoint (``None`` for an FSDP2 model's: DCP's own) and the mesh."""
+    if sharded.fsdp is None:
+        ckpt = dcp_checkpoint(sharded, optimizer)
+        return ckpt, ckpt._mesh
+    if optimizer is not None:
+        raise ValueError(
+            f"{where}: sharded holds an FSDP2 model's parameters; save and load the model and "
+            f"its optimizer with torch.distributed.checkpoint's get_state_dict / set_state_dict, "
+            f"and pass optimizer=None here (this call then keeps the accumulator's window)."
+        )
+    return None, sharded.mesh

@@ -191,3 +191,70 @@ def test_unsupported_fsdp2_setups_are_refused() -> None:
             "GradAccumError: Sharded.state_dict(): these shards are an FSDP2 model's parameters"
         ), out
         assert out["other group"].startswith(f"ValueError: {where}group is "), out
+
+
+# -- a window in progress of an FSDP2 model: DCP for the model, dcp_save for the window --------
+
+
+def _fsdp2_mid(rank: int, world: int, folder: str, stage: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.func import grad
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    torch.manual_seed(0 if stage == "save" else 5)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    model = model.double()
+    if stage != "save":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # other values: the checkpoint must replace them
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sharded = gradaccum.shard(model)
+    acc = gradaccum.Accumulator(2, sync=gradaccum.reduce_scatter(sharded))
+    split = (4, 3)  # two non-empty micro-batches per rank
+
+    def micro(k: int) -> Any:
+        x, y = _shard(regression_batch(sum(split), seed=300 + k // 2), rank, split)
+        return (x[k % 2 :: 2], y[k % 2 :: 2])  # 2 micro-batches of the window's rows
+
+    def run_steps(state: Any, steps: range) -> Any:
+        for k in steps:
+            mb = micro(k)
+            g = grad(lambda p, b: _loss(model, p, b))(sharded.gather(), mb)
+            state = acc.add(state, g, size=len(mb[0]))
+            if k % 2 == 1:
+                grads, state = acc.finalize(state)
+                sharded.write_grads(grads)
+                opt.step()
+                opt.zero_grad()
+        return state
+
+    if stage == "save":
+        state = run_steps(acc.init(sharded), range(3))  # window 0, and half of window 1
+        model_sd, opt_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{folder}/model")
+        gradaccum.sync.dcp_save(f"{folder}/window", sharded, accumulator=acc, state=state)
+        run_steps(state, range(3, 6))
+    else:
+        model_sd, opt_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{folder}/model")
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+        state = gradaccum.sync.dcp_load(f"{folder}/window", sharded, accumulator=acc)
+        assert state.micro_step == 1, state.micro_step
+        run_steps(state, range(3, 6))
+    return {k: p.full_tensor().clone() for k, p in model.named_parameters()}
+
+
+def test_an_fsdp2_window_in_progress_resumes_bit_identically(tmp_path: Any) -> None:
+    folder = str(tmp_path)
+    first = values(run(_fsdp2_mid, folder, "save", world=2, timeout=180), world=2)[0]
+    for out in values(run(_fsdp2_mid, folder, "load", world=2, timeout=180), world=2):
+        assert out.keys() == first.keys()
+        assert all(torch.equal(out[k], first[k]) for k in out), {
+            k: float((out[k] - first[k]).abs().max()) for k in out
+        }
