@@ -208,7 +208,7 @@ def accumulate(
             _engine.run(
                 call,
                 step_fn,
-                None if traceable and torch.compiler.is_compiling() else fast,
+                fast,
                 args,
                 kwargs,
                 micro,
@@ -220,6 +220,7 @@ def accumulate(
                 count=count,
                 has_aux=has_aux,
                 micro_transform=micro_transform,
+                traceable=traceable,
             )
         except Exception:  # join the boundary flagged as failed (see _engine.abort)
             if spec is None and prev is not None:
@@ -233,6 +234,17 @@ def accumulate(
             aux_out = aux_acc.result() if win.state.micro_step else None
             return (grads, aux_out)  # type: ignore[return-value]
         return grads  # type: ignore[no-any-return]
+
+    if fast is not None and not traceable:
+        # Autograd hooks and .grad writes cannot be traced: under torch.compile the call runs
+        # eagerly, through a clean graph break here. A break inside the window (in a try block)
+        # would make Dynamo skip this code object for every accumulated function in the process.
+        body, eager = accumulated, torch.compiler.disable(accumulated)  # type: ignore[no-untyped-call]
+
+        def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
+            if torch.compiler.is_compiling():
+                return eager(*args, **kwargs)  # type: ignore[no-any-return]
+            return body(*args, **kwargs)
 
     if not torch.compiler.is_compiling():
         accumulated = functools.wraps(step_fn)(accumulated)

@@ -48,13 +48,18 @@ def run(
     count: Callable[[Any], Any] | None,
     has_aux: bool,
     micro_transform: Callable[[Any], Any] | None,
+    traceable: bool = False,
 ) -> None:
-    """Run the window's micro-batches; the state and window in ``win`` record the progress."""
+    """Run the window's micro-batches; the state and window in ``win`` record the progress.
+
+    ``traceable``: ``fast`` came from a torch.func function, which Dynamo traces on the generic
+    path when this frame is being compiled.
+    """
     assert win.window is not None
     win.window.begin(len(micro))
     if not micro:  # an empty batch runs nothing; the boundary still joins
         return
-    if fast is not None:
+    if fast is not None and not (traceable and torch.compiler.is_compiling()):
         _fast(call, fast, args, kwargs, micro, win, aux_acc, batch_argnum, argnum, reduction, count)
         return
     window = win.window

@@ -201,6 +201,28 @@ def test_compiling_the_accumulated_function_runs_the_window_eagerly() -> None:
     assert max_diff(step(params, reg), torch.func.grad(mean_loss)(params, reg)) < 1e-14
 
 
+def test_compiling_a_fast_path_step_does_not_spoil_later_compiles() -> None:
+    # The eager window of a gradaccum.grad step is a clean graph break: Dynamo must not skip the
+    # accumulated function's code for good, or a later fullgraph compile of a torch.func step
+    # (traceable) would run the window eagerly and fail on the fast path.
+    params, reg = mlp_params(), regression_batch(12)
+    torch._dynamo.reset()
+    first = torch.compile(gradaccum.accumulate(gradaccum.grad(mean_loss), 4), backend="aot_eager")
+    want = torch.func.grad(mean_loss)(params, reg)
+    assert max_diff(first(params, reg), want) < 1e-14
+
+    def tensor_loss(w: torch.Tensor, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((x @ w - y) ** 2).mean()
+
+    w, x = torch.ones(5, dtype=torch.float64), reg[0]
+    second = torch.compile(
+        gradaccum.accumulate(torch.func.grad(tensor_loss), 4), backend="aot_eager", fullgraph=True
+    )
+    want = torch.func.grad(tensor_loss)(w, (x, reg[1]))
+    assert float((second(w, (x, reg[1])) - want).abs().max()) < 1e-14
+
+
 def test_an_error_mid_window_leaves_nothing_behind() -> None:
     params, reg = mlp_params(), regression_batch(8)
     calls = [0]
