@@ -56,14 +56,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import os
-import queue
 import statistics
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -71,7 +68,6 @@ from typing import Any
 import suite
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
@@ -273,7 +269,7 @@ class Strategy:
 # ----------------------------------------------------------------------------- job on a rank
 
 
-def _job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
+def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=DIMS)
@@ -296,62 +292,6 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         ref = params[PARAMS_REF]
         out["diffs"] = {k: float((p - ref).abs().max()) for k, p in params.items()}
     return out
-
-
-def _worker(rank: int, port: int, job: dict[str, Any], out: Any) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=job["pg_timeout"]),
-    )
-    try:
-        result: tuple[Any, ...] = ("ok", _job(rank, job))
-    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
-        result = ("err", f"{type(err).__name__}: {err}", traceback.format_exc())
-    out.put((rank, result))
-    out.close()
-    out.join_thread()
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-def launch(job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """Run ``job`` on four fresh processes; return each rank's result (raise on failure)."""
-    ctx = mp.get_context("forkserver")
-    out = ctx.Queue()
-    port = suite._free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, job, out), daemon=True) for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[Any, ...]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, result = out.get(timeout=0.5)
-                results[rank] = result
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for r in range(WORLD):
-        if r not in results:
-            raise RuntimeError(f"rank {r} did not report (hung, died or timed out)")
-        if results[r][0] != "ok":
-            raise RuntimeError(f"rank {r} raised {results[r][1]}\n{results[r][2]}")
-    return [results[r][1] for r in range(WORLD)]
 
 
 # ------------------------------------------------------------------------------ the parent
@@ -431,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     job = {**vars(args), "strategies": names, "pg_timeout": 120}
-    ranks = launch(job, timeout=100 if q else 300)
+    ranks = suite.launch(job, WORLD, 100 if q else 300, fn=_job, what="scale")
 
     where = {r["gradaccum"] for r in ranks}
     if where != {gradaccum.__file__}:

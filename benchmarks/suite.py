@@ -416,7 +416,9 @@ def _memory_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
 JOBS = {"time": _time_job, "memory": _memory_job}
 
 
-def _worker(rank: int, world: int, port: int, job: dict[str, Any], out: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, job: dict[str, Any], out: Any, fn: Callable[..., Any]
+) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["OMP_NUM_THREADS"] = "1"  # else Accelerate sets its own thread count
     torch.set_num_threads(1)
@@ -438,7 +440,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], out: Any) -> 
             timeout=datetime.timedelta(seconds=job["pg_timeout"]),
         )
     try:
-        result: tuple[Any, ...] = ("ok", JOBS[job["kind"]](rank, world, job))
+        result: tuple[Any, ...] = ("ok", fn(rank, world, job))
     except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
         result = ("err", f"{type(err).__name__}: {err}", traceback.format_exc())
     out.put((rank, result))
@@ -455,13 +457,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(job: dict[str, Any], world: int, timeout: float) -> list[Any]:
-    """Run ``job`` on ``world`` fresh processes; return each rank's value (raise on failure)."""
+def launch(
+    job: dict[str, Any],
+    world: int,
+    timeout: float,
+    fn: Callable[[int, int, dict[str, Any]], Any] | None = None,
+    what: str | None = None,
+) -> list[Any]:
+    """Run ``job`` on ``world`` fresh processes; return each rank's value (raise on failure).
+
+    ``fn(rank, world, job)`` runs on each rank (a module-level function; default: the suite's
+    job of ``job["kind"]``), in a gloo group on 127.0.0.1 when ``world > 1``.
+    """
     ctx = mp.get_context("forkserver")
     out = ctx.Queue()
     port = _free_port()
+    fn = fn if fn is not None else JOBS[job["kind"]]
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, job, out), daemon=True)
+        ctx.Process(target=_worker, args=(r, world, port, job, out, fn), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -482,7 +495,8 @@ def launch(job: dict[str, Any], world: int, timeout: float) -> list[Any]:
             if p.is_alive():
                 p.kill()
                 p.join()
-    what = f"{job['kind']} job {job.get('model')} {job.get('strategy', '')} {job.get('n', '')}"
+    if what is None:
+        what = f"{job['kind']} job {job.get('model')} {job.get('strategy', '')} {job.get('n', '')}"
     for r in range(world):
         if r not in results:
             raise RuntimeError(f"{what}: rank {r} did not report (hung, died or timed out)")

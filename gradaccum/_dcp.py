@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import GradAccumError, describe
+from ._fsdp import placements
 from ._shard import Sharded
 
 __all__ = ["ShardedCheckpoint", "dcp_checkpoint"]
@@ -46,7 +47,7 @@ class ShardedCheckpoint:
         self.sharded, self.optimizer = sharded, optimizer
         sp = sharded
         self._mesh = sp.mesh if sp.mesh is not None else _mesh_of(sp.group)
-        self._placements = _placements(self._mesh.ndim)
+        self._placements = placements(self._mesh.ndim)
 
     def _layout(self) -> list[str]:
         """What must match on load: leaves, groups, bucket_mb (not the number of ranks)."""
@@ -223,12 +224,6 @@ def _mesh_of(group: Any) -> Any:
 
     pg: Any = dist.group.WORLD if group is None else group
     return DeviceMesh.from_group(pg, "cpu" if dist.get_backend(pg) == "gloo" else "cuda")
-
-
-def _placements(ndim: int) -> tuple[Any, ...]:
-    from torch.distributed.tensor import Replicate, Shard
-
-    return (Shard(0),) if ndim == 1 else (Replicate(), Shard(0))
 
 
 def _init_state(opt: torch.optim.Optimizer) -> None:

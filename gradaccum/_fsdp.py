@@ -20,7 +20,14 @@ from . import _tree
 from ._errors import GradAccumError, describe, dtype_name, is_dtensor
 from ._layout import Layout, with_accum
 
-__all__ = ["FsdpParams", "dtensor_grads", "fill_from_locals", "fsdp_params", "quiet_fsdp"]
+__all__ = [
+    "FsdpParams",
+    "dtensor_grads",
+    "fill_from_locals",
+    "fsdp_params",
+    "placements",
+    "quiet_fsdp",
+]
 
 
 class FsdpParams:
@@ -44,10 +51,8 @@ def fsdp_params(where: str, module: torch.nn.Module, group: Any) -> FsdpParams:
             f"(parameters that are not DTensors: {plain[:8]}); pass a fully_shard-ed model, or "
             f"the params of a plain one (gradaccum.params_of(model))."
         )
-    from torch.distributed.tensor import Replicate, Shard
-
     mesh = next(iter(named.values())).device_mesh
-    want = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    want = placements(mesh.ndim)
     for k, p in named.items():
         if p.device_mesh != mesh or tuple(p.placements) != want:
             raise GradAccumError(
@@ -76,6 +81,13 @@ def fsdp_params(where: str, module: torch.nn.Module, group: Any) -> FsdpParams:
         devices=tuple(p.to_local().device for p in leaves),
     )
     return FsdpParams(with_accum(lay, None), tuple(leaves), mesh)
+
+
+def placements(ndim: int) -> tuple[Any, ...]:
+    """Dim-0 shards on a 1-D mesh; on a 2-D mesh, replicated on dim 0, sharded on dim 1 (HSDP)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return (Shard(0),) if ndim == 1 else (Replicate(), Shard(0))
 
 
 def fill_from_locals(sharded: Any) -> None:
