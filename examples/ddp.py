@@ -224,11 +224,21 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         f"collectives in step 1: {describe_step(per_step[0])}",
         f"collectives per step after that: {describe_step(per_step[-1])}",
     )
+
     # Expected: in every step, the 16-byte fingerprint (the ranks' gradient trees agree), then
-    # one all_reduce per bucket; nothing while the micro-batches of a window run.
-    expected = [("all_reduce", "fingerprint", 2)]
-    expected += [("all_reduce", "gradients", b.numel) for b in buckets]
-    per_bucket = all([(c.kind, c.purpose, c.numel) for c in log] == expected for log in per_step)
+    # one all_reduce per bucket; in step 1 also the order the gradients became ready in (one
+    # number per leaf), which the later steps' buckets follow; nothing while micro-batches run.
+    def expected(plan: tuple[gradaccum.sync.Bucket, ...]) -> list[tuple[str, str, int]]:
+        return [("all_reduce", "fingerprint", 2)] + [
+            ("all_reduce", "gradients", b.numel) for b in plan
+        ]
+
+    leaves = len(list(model.parameters()))
+    first = expected(buckets) + [("all_reduce", "bucket order", leaves)] * (world > 1)
+    per_bucket = all(
+        [(c.kind, c.purpose, c.numel) for c in log] == (expected(sync.plan(params)) if i else first)
+        for i, log in enumerate(per_step)
+    )
     in_window = sum(1 for seen in inside if seen)
     diff = 0.0
     if reference is not None:

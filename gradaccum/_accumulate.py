@@ -196,11 +196,12 @@ def accumulate(
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         win = _engine.Progress()
         spec, prev = None, seen[0] if seen else None
+        on_fast = fast is not None  # the same on every rank: ready() order can be agreed on
         try:
             lay = kind.layout(call, target, accum_dtype, argnums)
             _check_not_empty(call, lay, target, argnums)
             seen[:] = [lay]
-            spec = WindowSpec(call, lay, reduction, n, False, kind.state, target)
+            spec = WindowSpec(call, lay, reduction, n, False, kind.state, target, on_fast)
             win.state = AccumState(None, 0, 0, 0, lay)
             win.opening = True
             win.window = kind.open(spec)
@@ -224,7 +225,7 @@ def accumulate(
             )
         except Exception:  # join the boundary flagged as failed (see _engine.abort)
             if spec is None and prev is not None:
-                spec = WindowSpec(call, prev, reduction, n, False, kind.state, target)
+                spec = WindowSpec(call, prev, reduction, n, False, kind.state, target, on_fast)
             _engine.abort(win, kind, spec)
             raise
         # The boundary: the one place that communicates (with sync=).

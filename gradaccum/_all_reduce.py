@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
+from ._buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
 from ._comm import Check, Comm, Probe, bucket_what, check_options, fill_tail, positive
 from ._errors import describe, is_broken, is_mesh
 from ._layout import make_layout
@@ -42,11 +42,15 @@ class AllReduce(Sync):
     timeout: float | None = None
     overlap: bool = True
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
+    _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
         """The buckets the boundary would all-reduce for gradients shaped like ``params``.
 
-        A dry run: nothing is communicated and torch.distributed need not be initialised.
+        A dry run: nothing is communicated and torch.distributed need not be initialised. After
+        a window on the fast path with ``overlap``, the buckets are those of the next window:
+        in the order the gradients became final (see [`all_reduce()`][gradaccum.all_reduce]).
 
         Args:
             params: The params pytree (the gradients' shape).
@@ -85,6 +89,10 @@ class BucketWindow(Window):
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
         super().__init__(spec)
         self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
+        # The first fast window with overlap records the order the sums become final; at its
+        # boundary the ranks agree on it and the next windows' buckets follow it.
+        self.reorder = sync.overlap and spec.fast and spec.layout not in sync._ordered
+        self.seen: list[int] = []
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
@@ -111,7 +119,11 @@ class BucketWindow(Window):
         if self.sums is None:  # an empty window still joins, with zero weight
             self.sums = self.storage(zero=True)
         plan, sums = self.plan, self.sums
-        extra = (f"n={self.spec.n} micro-batches per window",) if self.spec.agree_n else ()
+        extra: tuple[str, ...] = ()
+        if self.spec.agree_n:
+            extra = (f"n={self.spec.n} micro-batches per window",)
+        if self.reorder:
+            extra += ("the bucket order is agreed at this boundary",)
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
@@ -123,6 +135,8 @@ class BucketWindow(Window):
 
     def ready(self, i: int) -> None:
         """Leaf ``i``'s sum is final: launch every bucket that is now ready, in order."""
+        if self.reorder:
+            self.seen.append(i)
         k = self.bucket_of_leaf[i]
         self.remaining[k] -= 1
         if self.remaining[k] == 0:
@@ -166,7 +180,32 @@ class BucketWindow(Window):
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
             total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
+            if self.reorder and not failed:
+                self._agree_order()
         return self.normalised(total)
+
+    def _agree_order(self) -> None:
+        """Re-plan the buckets in the order the sums became final, agreed over the ranks.
+
+        Each rank sends each leaf's position in its own order (the leaves without a gradient
+        last); the ranks sort the leaves by the summed positions, ties in key-path order, so all
+        of them get the same plan. One all-reduce of one number per leaf, once per layout (none
+        in a group of one).
+        """
+        lay, sync = self.layout, self.sync
+        pos = [float(len(lay.paths))] * len(lay.paths)
+        for p, i in enumerate(self.seen):
+            pos[i] = float(p)
+        agreed = pos
+        if self.comm.world > 1:
+            sums = torch.tensor(pos, dtype=torch.float64, device=self.plan.buckets[0].device)
+            what = "the bucket order all_reduce"
+            self.comm.wait(self.comm.all_reduce(sums, what, "bucket order"), what)
+            agreed = sums.tolist()
+        rank = {i: r for r, i in enumerate(leaf_order(lay.paths))}
+        order = sorted(rank, key=lambda i: (agreed[i], rank[i]))
+        sync._plans[lay] = make_plan(lay, int(sync.bucket_mb * 2**20), order)
+        sync._ordered.add(lay)
 
     def abort(self, weight: Any) -> None:
         """Join the boundary flagged as failed, unless a collective of the group failed."""
@@ -193,7 +232,13 @@ def all_reduce(
     tokens per rank, and a rank with an empty window contributes zero weight.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
-    ``layers.9``), the same on every rank ([how](../sync.md#what-gradaccum-does-instead)).
+    ``layers.9``), the same on every rank. With ``overlap`` and a step function made by
+    [`grad()`][gradaccum.grad] (or a ``torch.func`` one), the first window also records the order
+    in which the gradients become final during the last backward; at its boundary the ranks
+    agree on that order (one all-reduce of one number per leaf, once per gradient layout) and
+    the later windows fill their buckets in it, as DDP rebuilds its buckets after the first
+    iteration, so that the first bucket's all-reduce starts early in the backward
+    ([how](../sync.md#what-gradaccum-does-instead)).
 
     Args:
         group: The process group, or a 1-D ``DeviceMesh`` (its group); ``None`` for the

@@ -1,7 +1,8 @@
 """Flat gradient buckets: which leaves go in which bucket, at which offset (no communication).
 
 Leaves are grouped by (device, accumulation dtype) in reverse natural order of their key paths
-(the order backward produces them; the same on every rank) and added to a bucket until it holds
+(the usual backward order; the same on every rank), or in an order the ranks agreed on (the order
+their gradients became final, as DDP rebuilds its buckets), and added to a bucket until it holds
 at least ``bucket_mb`` (1 MiB for the first bucket, so that with overlap the first all-reduce
 starts early), as DDP does; a leaf is never split, so a bucket may exceed its limit by its last
 leaf. The last bucket of the widest dtype carries a two-element tail: the window's weight and a
@@ -98,10 +99,13 @@ def starts(lay: Any, idx: list[int]) -> tuple[int, ...]:
     return (0, *accumulate(lay.shapes[i].numel() for i in idx))
 
 
-def make_plan(lay: Any, cap: int) -> Plan:
-    """Group leaves by (device, dtype), then fill buckets as the module docstring says."""
+def make_plan(lay: Any, cap: int, order: list[int] | None = None) -> Plan:
+    """Group leaves by (device, dtype), then fill buckets as the module docstring says.
+
+    ``order``: the leaves in the order to fill the buckets (default: ``leaf_order``).
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in leaf_order(lay.paths):
+    for i in leaf_order(lay.paths) if order is None else order:
         groups.setdefault((lay.devices[i], lay.accum_dtypes[i]), []).append(i)
     cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
     for (dev, dt), idx in groups.items():
@@ -122,6 +126,8 @@ def make_plan(lay: Any, cap: int) -> Plan:
         for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
     ]
     desc.append(f"{len(lay.paths)} params leaves")
+    if order is not None:
+        desc.append("buckets in the agreed gradient-ready order")
     for k, (dev, dt, idx) in enumerate(cut):
         *offs, off = starts(lay, idx)
         total = off + (TAIL if k == tail_k else 0)

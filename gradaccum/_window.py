@@ -36,6 +36,9 @@ class WindowSpec:
         state: The sync's state from the previous window (``None`` in the first one).
         params: The differentiated argument as the caller of ``accumulate`` gave it (e.g. a
             ``Sharded`` to gather), or ``None`` (``Accumulator``).
+        fast: The window runs on the fast path, the same on every rank: with ``overlap``,
+            ``ready(i)`` is called during the last backward (``AllReduce`` then learns the order
+            in which the gradients become final).
 
     Examples:
         >>> import torch, gradaccum
@@ -55,6 +58,7 @@ class WindowSpec:
     agree_n: bool = False
     state: Any = None
     params: Any = None
+    fast: bool = False
 
 
 class Window:
