@@ -51,21 +51,25 @@ def test_lightning_recipe(ranks: int) -> None:
     assert error, stdout
     assert float(error.group(1)) > 5
     assert float(error.group(2)) > 5
-    # The page quotes this run's lines (2 processes) or numbers (1 process): they must agree.
-    page = PAGE.read_text()
+    # The page quotes this run's lines (2 processes) or numbers (1 process): they must agree,
+    # all but the differences at rounding level (their last digits vary with the CPU).
+    page = _rounding(PAGE.read_text())
     if ranks == 2:
-        quoted = [line for line in lines if not line.startswith("max parameter difference")]
-        missing = [line for line in quoted if line not in page]
+        missing = [line for line in lines if _rounding(line) not in page]
         assert not missing, f"docs/lightning.md does not quote these lines of the run: {missing}"
     else:
         ratios = re.search(r"norm: (\S+), (\S+)$", stdout, re.M)
         assert ratios, stdout
         one = (
             f"the errors are up to {error.group(1)}% (full\nwindows) and {error.group(2)}% "
-            f"(short ones), with norm ratios {ratios.group(1)} and {ratios.group(2)}, and the "
-            f"fixed loss is within\n{fixed.group(1)}"
+            f"(short ones), with norm ratios {ratios.group(1)} and {ratios.group(2)}"
         )
         assert one in page, one
+
+
+def _rounding(text: str) -> str:
+    """``text`` with numbers below 1e-12 (differences at rounding level) as ``<tiny>``."""
+    return re.sub(r"\b\d\.\d+e-(1[3-9]|[2-9]\d)\b", "<tiny>", text)
 
 
 def test_the_page_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
