@@ -18,14 +18,18 @@ which travels in the same ``all_reduce`` as the gradients (under torchrun).
 
 The script:
 
-1. compares that gradient with the gradient of HF's own loss on the whole global batch in one
-   process, and shows how far the per-micro-batch ``.loss / n`` recipe is from it (and that HF's
-   remedy, ``num_items_in_batch=`` the window's token count, agrees when that count is known in
-   advance);
+1. compares that gradient with the gradient of the whole global batch's token mean, computed in
+   float64 in one process; and measures, against the same gradient, HF's own ``.loss`` on the
+   whole batch (the same token mean, but computed in float32: HF's loss upcasts the logits with
+   ``.float()``, a downcast for a float64 model), HF's remedy ``num_items_in_batch=`` (the
+   window's token count, which must be known before the first backward) and the classic
+   per-micro-batch ``.loss / n`` recipe;
 2. trains a few AdamW steps and compares the parameters with a plain whole-batch loop
-   (``model(**batch).loss.backward()``) in one process.
+   (``token_mean(model, batch).backward()``, float64) in one process.
 
-It prints both differences and exits with status 1 if either exceeds 1e-10 (float64).
+It prints the differences and exits with status 1 if gradaccum's gradient or parameters differ
+from the whole batch's by more than 1e-10 (or if the classic recipe does not differ, which
+would mean the token counts were too even to show anything).
 
 Run it (about ten seconds on 2 CPU cores)::
 
