@@ -7,10 +7,10 @@ token loss (padded sequences, so micro-batches and ranks hold different numbers 
 all-reduces it once with the window's token count (``reduction="count"``,
 ``sync=gradaccum.all_reduce()``), and the step writes it to ``.grad``, clips it, steps the
 optimizer and the LR scheduler once. Lightning runs the loop, the ``DistributedSampler`` (its
-shuffling and ``set_epoch``), the process group and the logging; gradaccum alone sends the
-gradients (the DDP wrapper Lightning puts around the module sees no gradient: the micro-steps
-differentiate with respect to ``gradaccum.params_of(model)``, and Lightning turns the DDP
-reducer off in manual optimization anyway).
+shuffling and ``set_epoch``) and the logging; gradaccum alone sends the gradients (the DDP
+wrapper Lightning puts around the module sees no gradient: the micro-steps differentiate with
+respect to ``gradaccum.params_of(model)``, and in manual optimization Lightning also keeps DDP
+from preparing its reducer after ``training_step``).
 
 The processes: ``python examples/lightning_recipe.py`` is one; ``torchrun --standalone
 --nproc_per_node 2 examples/lightning_recipe.py`` two. Either way the script creates the gloo
