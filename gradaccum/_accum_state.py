@@ -35,6 +35,10 @@ class AccumState(NamedTuple, Generic[T]):
             [`state_dict()`][gradaccum.Accumulator.state_dict].
         ticket: Internal: marks which state of a window is the current one, so that a consumed
             state is refused (see [`Accumulator`][gradaccum.Accumulator]); ``None`` without sums.
+        metrics: The window's running metric sums (``add(..., metrics=...)``): a dict, sorted by
+            name, of 0-dim float64 tensors on the gradients' device; ``None`` without metrics.
+            Before a window's first micro-batch, zeros with the previous window's names (what
+            an empty window sends).
 
     Examples:
         >>> import torch, gradaccum
@@ -51,6 +55,7 @@ class AccumState(NamedTuple, Generic[T]):
     layout: Any
     reduce_state: Any = None
     ticket: Any = None
+    metrics: Any = None
 
 
 def check_live(where: str, state: AccumState[Any]) -> None:

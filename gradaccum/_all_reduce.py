@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
-from ._comm import Check, Comm, Probe, bucket_what, check_options, fill_tail, positive
+from ._comm import Check, Probe, bucket_what, check_options, fill_tail, positive
 from ._errors import describe, is_broken, is_mesh
 from ._layout import make_layout
 from ._mesh import axis, check_group
@@ -86,6 +86,9 @@ class BucketWindow(Window):
         super().__init__(spec)
         self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
+        # The tail bucket also carries the window's metric sums, after [weight, failed].
+        self.sizes = [b.numel for b in self.plan.buckets]
+        self.sizes[self.tail_k] += len(spec.metrics)
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.opened = False
@@ -96,8 +99,8 @@ class BucketWindow(Window):
         """Views into fresh flat buckets (zeroed, or uninitialised)."""
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
-            buf = (torch.zeros if zero else torch.empty)(b.numel, dtype=b.dtype, device=b.device)
+        for b, size, members, offsets in zip(plan.buckets, self.sizes, plan.members, plan.offsets):
+            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
@@ -107,7 +110,7 @@ class BucketWindow(Window):
         if self.opened:
             return
         self.opened = True
-        self.comm = Comm(self.where, self.sync.group, self.sync.timeout, self.sync.check)
+        self.comm = self.connect(self.sync.group, self.sync.timeout, self.sync.check)
         if self.sums is None:  # an empty window still joins, with zero weight
             self.sums = self.storage(zero=True)
         plan, sums = self.plan, self.sums
@@ -115,8 +118,10 @@ class BucketWindow(Window):
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, b)
-            for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
+            bucket_of([sums[i] for i in members], offsets, b, size)
+            for b, size, members, offsets in zip(
+                plan.buckets, self.sizes, plan.members, plan.offsets
+            )
         ]
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
@@ -150,14 +155,14 @@ class BucketWindow(Window):
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = self.bufs[k] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                    buf = self.bufs[k] = torch.empty(self.sizes[k], dtype=b.dtype, device=b.device)
                     for i, off in zip(plan.members[k], plan.offsets[k]):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
                     packed.append((k, buf))
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
-            tail = tail_buf[-TAIL:]
-            fill_tail(tail, weight, failed)
+            tail = tail_buf[-TAIL - len(self.spec.metrics) :]
+            fill_tail(tail, weight, failed, self.metrics)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):
@@ -165,7 +170,9 @@ class BucketWindow(Window):
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
-            total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
+            summed = tail.tolist()
+            total = self.comm.settle(summed, self.spec.reduction, failed)
+            self.totals = (total, summed[TAIL:])
         return self.normalised(total)
 
     def abort(self, weight: Any) -> None:
