@@ -28,7 +28,8 @@ class AccumState(NamedTuple, Generic[T]):
         weight: The total weight added in this window: rows (``mean``, ``sum``) or counts
             (``count``); a number, or a 0-dim tensor when counts are tensors.
         micro_step: How many micro-batches this window holds so far.
-        window: How many windows were finalized before this one.
+        window: How many windows were finalized (or aborted) before this one: the window's
+            index, which a sync checks to be the same on every rank.
         layout: Static description of the gradient tree (structure, shapes, dtypes).
         reduce_state: The state of a [`custom_reduce()`][gradaccum.custom_reduce] sync between
             windows (e.g. error-feedback buffers), ``None`` for other syncs; it is saved by

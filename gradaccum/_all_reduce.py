@@ -197,7 +197,8 @@ def all_reduce(
     summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
     place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
     bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
-    tokens per rank, and a rank with an empty window contributes zero weight.
+    tokens per rank, and a rank with an empty window contributes zero weight. The metrics of
+    [`Accumulator.add()`][gradaccum.Accumulator.add] travel there too.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
     ``layers.9``), the same on every rank ([how](../sync.md#what-gradaccum-does-instead)).
@@ -209,11 +210,13 @@ def all_reduce(
             ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
             buckets mean fewer collectives; more buckets, more overlap.
         check: ``"fingerprint"`` (default): in every window, before its first bucket, the
-            ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
-            buckets (one 16-byte all-reduce); a mismatch raises
-            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
-            before any gradient is sent. ``"full"`` also compares the whole descriptions (a
-            debug mode); ``"never"`` skips it ([why](../sync.md#mismatched-gradient-trees)).
+            ranks exchange a fingerprint of their window index, key paths, shapes, dtypes,
+            reduction, buckets and metric names (one 16-byte all-reduce); a mismatch raises
+            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference
+            (ranks at [different windows](../sync.md#ranks-at-different-windows) get a message
+            of their own), before any gradient is sent. ``"full"`` also compares the whole
+            descriptions (a debug mode); ``"never"`` skips it, and then nothing is checked:
+            neither the trees nor the windows ([why](../sync.md#mismatched-gradient-trees)).
         timeout: Seconds after which each of the sync's collectives fails (the timeout is set
             on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's

@@ -178,8 +178,10 @@ def custom_reduce(
 
     Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
     [`Accumulator`][gradaccum.Accumulator]. At the boundary gradaccum sums the window's weight
-    (rows or counts), a failure flag and a hash of the gradient tree over the group in one
-    32-byte ``all_reduce``, divides this rank's running sums by the global weight, and calls
+    (rows or counts), a failure flag and a hash of the gradient tree and window index over the
+    group in one 32-byte ``all_reduce`` (8 bytes more per metric of
+    [`Accumulator.add()`][gradaccum.Accumulator.add]), divides this rank's running sums by the
+    global weight, and calls
 
     ``fn(grads, state, group) -> (summed_grads, new_state)``
 

@@ -33,6 +33,11 @@ class Accumulator:
     [`finalize()`][gradaccum.Accumulator.finalize] before
     [`is_complete()`][gradaccum.Accumulator.is_complete]) is weighted exactly by what it holds.
 
+    [`boundary()`][gradaccum.Accumulator.boundary] closes the window as ``finalize`` does and
+    also reports its [`WindowStats`][gradaccum.streaming.WindowStats]: the window's global weight
+    and the metrics given to ``add(..., metrics=...)`` (summed losses, token counts), summed over
+    the micro-batches and, with ``sync``, over the ranks in the same collective as the gradients.
+
     The running sums are updated in place: after ``add(state, ...)`` and ``finalize(state)``,
     use only the state they return. A state that was passed to them is consumed: ``add``,
     ``finalize`` and ``state_dict`` refuse it with a ``ValueError`` (it would otherwise change
@@ -48,8 +53,10 @@ class Accumulator:
             gradients, the gradient dtype otherwise. Gradients come out of
             [`finalize()`][gradaccum.Accumulator.finalize] in the parameters' dtype.
         sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] to synchronise
-            over a process group in [`finalize()`][gradaccum.Accumulator.finalize], the only
-            place that communicates. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
+            over a process group in [`finalize()`][gradaccum.Accumulator.finalize] (or
+            ``boundary``), the only place that communicates. Every rank must then be at the
+            same window (``state.window``): the sync checks it, with the gradient tree, before
+            any gradient is sent. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
             for sharded params: ``finalize`` then returns this rank's gradient shards, and
             under its ``every`` policy ``add`` reduce-scatters each micro-batch (every rank
             must then call ``add`` at most ``n`` times per window). Or a
@@ -290,7 +297,10 @@ class Accumulator:
         [`finalize()`][gradaccum.Accumulator.finalize] raises
         [`GradAccumError`][gradaccum.GradAccumError] on every other rank instead of waiting for
         the timeout. Call it in an ``except`` block, then re-raise. Without ``sync`` it only
-        discards the window.
+        discards the window. A rank whose ``finalize`` raised ``GradAccumError`` instead (another
+        rank failed) must not call it (the boundary was joined already); to go on, every rank
+        continues at the next window: there with
+        ``acc.init(params)._replace(window=state.window + 1)``.
 
         Returns:
             A fresh state for the next window, as [`finalize()`][gradaccum.Accumulator.finalize]
