@@ -399,3 +399,21 @@ def test_two_ranks_sum_the_metrics_of_every_micro_batch_in_the_same_collectives(
         assert r["names log"] == ["fingerprint", "fingerprint"]
         _, m = _micro(mlp_params(), 0, 2)
         assert r["first empty"] == WindowStats(0, 2.0, {k: float(v) for k, v in m.items()})
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_dcp_save_and_load_keep_the_metric_sums_of_a_window_in_progress(tmp_path: Any) -> None:
+    def build() -> tuple[Any, gradaccum.Accumulator]:
+        sharded = gradaccum.shard({"w": torch.zeros(3, dtype=F64)})
+        return sharded, gradaccum.Accumulator(2, sync=gradaccum.reduce_scatter(sharded))
+
+    g = {"w": torch.ones(3, dtype=F64)}
+    loss = torch.tensor(0.1, dtype=F64)
+    sharded, acc = build()
+    state = acc.add(acc.init(sharded), g, size=1, metrics={"loss": loss / 3})
+    gradaccum.sync.dcp_save(str(tmp_path), sharded, accumulator=acc, state=state)
+    _, _, straight = acc.boundary(acc.add(state, g, size=1, metrics={"loss": loss}))
+    sharded, acc = build()
+    state = gradaccum.sync.dcp_load(str(tmp_path), sharded, accumulator=acc)
+    _, _, resumed = acc.boundary(acc.add(state, g, size=1, metrics={"loss": loss}))
+    assert resumed == straight
