@@ -19,6 +19,7 @@ from dist import run, values
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import F64, max_diff, mean_loss, mlp_params, regression_batch
+from test_window_alignment import sign_sync
 from torch.func import grad_and_value
 
 import gradaccum
@@ -417,3 +418,19 @@ def test_dcp_save_and_load_keep_the_metric_sums_of_a_window_in_progress(tmp_path
     state = gradaccum.sync.dcp_load(str(tmp_path), sharded, accumulator=acc)
     _, _, resumed = acc.boundary(acc.add(state, g, size=1, metrics={"loss": loss}))
     assert resumed == straight
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_sync_written_outside_the_package_carries_the_metrics_through_connect() -> None:
+    acc = gradaccum.Accumulator(n=2, sync=sign_sync(compress=False))
+    state = acc.init({"w": torch.zeros(3, dtype=F64)})
+    with gradaccum.sync.record_collectives() as log:
+        for loss in (1.0, 2.5):
+            state = acc.add(state, {"w": torch.ones(3, dtype=F64)}, size=2, metrics={"loss": loss})
+        _, _, stats = acc.boundary(state)
+    assert stats == WindowStats(0, 4.0, {"loss": 3.5})
+    assert [(c.purpose, c.numel) for c in log] == [
+        ("fingerprint", 2),
+        ("weight", 3),  # [weight, failed, loss]: exchange() added the metric
+        ("gradients", 3),
+    ]

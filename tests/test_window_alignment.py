@@ -9,7 +9,9 @@ on a process group of its own (a mismatch marks its group broken).
 
 from __future__ import annotations
 
+import importlib.util
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,19 @@ from gradaccum._errors import misaligned
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 KINDS = ("all_reduce", "reduce_scatter", "custom_reduce")
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sign_sync.py"
+
+
+def sign_sync(**kwargs: Any) -> Any:
+    """examples/sign_sync.py's SignSync: a sync written outside the package."""
+    spec = importlib.util.spec_from_file_location("sign_sync", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SignSync(**kwargs)
+
+
 FIX = (
     "Their data or their calls got out of step (e.g. loaders of different lengths, or an epoch "
     "that ended early on one rank), so this boundary would combine gradients of different "
@@ -45,6 +60,8 @@ def message(where: str, rank: int, at: tuple[int, int]) -> str:
 def _sync(kind: str, params: Any, calls: list[int], check: str = "fingerprint") -> Any:
     """A sync of ``kind`` on a new group of both ranks; the params its step functions take."""
     group = dist.new_group([0, 1])
+    if kind == "sign_sync":  # its Comm from Window.connect: the same check, nothing to add
+        return sign_sync(group=group, compress=False), params
     if kind == "all_reduce":
         return gradaccum.all_reduce(group, check=check), params
     if kind == "reduce_scatter":
@@ -70,7 +87,7 @@ def _purposes(log: list[Any]) -> list[str]:
 
 def _accumulators(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in (*KINDS, "sign_sync"):
         calls: list[int] = []
         sync, target = _sync(kind, mlp_params(), calls)
         acc = gradaccum.Accumulator(n=2, sync=sync)
@@ -108,8 +125,13 @@ def _accumulators(rank: int, world: int) -> dict[str, Any]:
 def test_accumulators_at_different_windows_raise_on_every_rank_before_any_gradient() -> None:
     results = values(run(_accumulators))
     for rank, r in enumerate(results):
-        for kind in KINDS:
+        for kind in (*KINDS, "sign_sync"):
             first = {
+                "sign_sync": [
+                    "all_reduce fingerprint",
+                    "all_reduce weight",
+                    "all_reduce gradients",
+                ],
                 "all_reduce": ["all_reduce fingerprint", "all_reduce gradients"],
                 "reduce_scatter": [
                     "all_reduce fingerprint",
@@ -126,6 +148,13 @@ def test_accumulators_at_different_windows_raise_on_every_rank_before_any_gradie
             )
             assert r[kind] == message(where, rank, (3, 2)), kind
             # Only the fingerprint (and the descriptions it then compares) went on the wire.
+            if kind == "sign_sync":
+                assert r[kind] == message("Accumulator(n=2).finalize(state)", rank, (3, 2))
+                assert r[f"{kind} log"] == [
+                    "all_reduce fingerprint",
+                    "all_gather_object fingerprint",
+                ]
+                continue
             gathered = "all_gather_object fingerprint"
             check = "all_reduce weight" if kind == "custom_reduce" else "all_reduce fingerprint"
             assert r[f"{kind} log"] == [check, gathered], kind
