@@ -86,9 +86,7 @@ class BucketWindow(Window):
         super().__init__(spec)
         self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
-        # The tail bucket also carries the window's metric sums, after [weight, failed].
-        self.sizes = [b.numel for b in self.plan.buckets]
-        self.sizes[self.tail_k] += len(spec.metrics)
+        self.extra = len(spec.metrics)  # the tail bucket's metric sums, after [weight, failed]
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.opened = False
@@ -99,7 +97,8 @@ class BucketWindow(Window):
         """Views into fresh flat buckets (zeroed, or uninitialised)."""
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        for b, size, members, offsets in zip(plan.buckets, self.sizes, plan.members, plan.offsets):
+        for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
+            size = b.numel + self.extra * b.tail
             buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
@@ -118,10 +117,8 @@ class BucketWindow(Window):
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, b, size)
-            for b, size, members, offsets in zip(
-                plan.buckets, self.sizes, plan.members, plan.offsets
-            )
+            bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
+            for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
         ]
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
@@ -155,13 +152,14 @@ class BucketWindow(Window):
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = self.bufs[k] = torch.empty(self.sizes[k], dtype=b.dtype, device=b.device)
+                    size = b.numel + self.extra * b.tail
+                    buf = self.bufs[k] = torch.empty(size, dtype=b.dtype, device=b.device)
                     for i, off in zip(plan.members[k], plan.offsets[k]):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
                     packed.append((k, buf))
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
-            tail = tail_buf[-TAIL - len(self.spec.metrics) :]
+            tail = tail_buf[-TAIL - self.extra :]
             fill_tail(tail, weight, failed, self.metrics)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])

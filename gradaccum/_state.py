@@ -112,7 +112,10 @@ class Accumulator:
         """
         where = "Accumulator.init(params)"
         lay = self._sync.layout(where, params, self.accum_dtype)
-        if isinstance(metrics, str) or any(not isinstance(k, str) for k in metrics):
+        metrics = () if metrics is None else metrics
+        if not isinstance(metrics, (tuple, list, set, frozenset)) or any(
+            not isinstance(k, str) for k in metrics
+        ):
             raise TypeError(
                 f"{where}: metrics must be names (a tuple of str), got {metrics!r}; pass e.g. "
                 f"metrics=('loss',)."
@@ -132,13 +135,17 @@ class Accumulator:
             return sums
         # Read while torch.compile traces add(), the index would recompile it every window.
         index = 0 if torch.compiler.is_compiling() else state.window
-        spec = WindowSpec(
-            where, state.layout, self.reduction, n, True, state.reduce_state, None, index, names
-        )
-        window = self._sync.open(spec)
+        window = self._sync.open(self._spec(where, state, n, index, names))
         if sums is not None:
             window.restore(_tree.flatten(sums)[0])
         return window
+
+    def _spec(self, where: str, state: AccumState[T], n: int, index: int, names: Any) -> WindowSpec:
+        """The spec of ``state``'s window (``n`` must agree over the ranks)."""
+        lay, reduce_state = state.layout, state.reduce_state
+        return WindowSpec(
+            where, lay, self.reduction, n, True, reduce_state, index=index, metrics=names
+        )
 
     def window_size(self, state: AccumState[T]) -> int:
         """The number of micro-batches of the current window (evaluates a schedule)."""
@@ -196,7 +203,7 @@ class Accumulator:
         names = state.metrics  # metrics=None and none so far: nothing to do per micro-batch
         if metrics is not None or names is not None:
             names = _metrics.check(where, state.metrics, first, metrics)
-        window = self._window(where, state, self.window_size(state), tuple(names or ()))
+        window = self._window(where, state, self.window_size(state), tuple(names) if names else ())
         window.begin(1)
         window.add(check_grads(where, state.layout, grads), alpha)
         window.step()
@@ -360,9 +367,7 @@ class Accumulator:
         where = "Accumulator.load_state_dict(state, state_dict)"
         saved_metrics = state_dict.get("metrics") if isinstance(state_dict, dict) else None
         names = tuple(sorted(map(str, saved_metrics))) if isinstance(saved_metrics, dict) else ()
-        spec = WindowSpec(
-            where, state.layout, self.reduction, n, True, state.reduce_state, None, at, names
-        )
+        spec = self._spec(where, state, n, at, names)
         restored = self._sync.load_state_dict(spec, state, state_dict)
         return pass_on(restored._replace(sums=None), restored, "load_state_dict()")
 
