@@ -103,10 +103,9 @@ def add(sums: Metrics | None, first: bool, given: Any, device: torch.device) -> 
                 out[k] = v.detach().to(device=device, dtype=_dtype(device), copy=True)
             else:
                 out[k] = torch.tensor(v, dtype=_dtype(device), device=device)
-        else:
+        else:  # a new tensor, not add_: torch.compile drops in-place adds into 0-dim inputs
             s = sums[k]  # type: ignore[index]
-            s.add_(v.detach().to(device) if isinstance(v, torch.Tensor) else v)
-            out[k] = s
+            out[k] = s + (v.detach().to(device) if isinstance(v, torch.Tensor) else v)
     return out
 
 

@@ -104,6 +104,30 @@ def test_any_sequence_of_metrics_sums_exactly_as_float64(
     assert stats.weight == len(values)
 
 
+def test_a_compiled_micro_step_sums_the_metrics_without_recompiling() -> None:
+    # torch.compile drops in-place adds into 0-dim inputs: the running sums are new tensors.
+    params, acc = mlp_params(), gradaccum.Accumulator(n=4, reduction="sum")
+    x, y = regression_batch(30)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def micro_step(params: Any, state: Any, xb: torch.Tensor, yb: torch.Tensor) -> Any:
+        g, loss = gradaccum.grad_and_value(mean_loss)(params, (xb, yb))
+        return acc.add(state, g, metrics={"loss": loss.detach() * len(yb), "rows": len(yb)})
+
+    def window() -> WindowStats:
+        state = acc.init(params)
+        for rows in (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, 30)):
+            state = micro_step(params, state, x[rows], y[rows])
+        return acc.boundary(state)[2]
+
+    torch._dynamo.reset()
+    first = window()
+    assert first.metrics["rows"] == 30.0
+    assert abs(first.metrics["loss"] - 30 * float(mean_loss(params, (x, y)))) < 1e-12
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert window() == first
+
+
 def test_state_dict_mid_window_keeps_the_metric_sums_bit_identical() -> None:
     params, acc = mlp_params(), gradaccum.Accumulator(n=3)
     mbs = [_micro(params, j, rows) for j, rows in enumerate((3, 2, 5))]
