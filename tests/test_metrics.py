@@ -147,6 +147,44 @@ def test_state_dict_mid_window_keeps_the_metric_sums_bit_identical() -> None:
     assert stats_again == stats
 
 
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "every", "custom_reduce"])
+def test_every_sync_resumes_a_window_with_metrics_bit_identically(kind: str) -> None:
+    params = mlp_params()
+    mbs = [_micro(params, j, rows) for j, rows in enumerate((3, 2, 5))]
+
+    def build() -> tuple[gradaccum.Accumulator, Any]:
+        if kind == "all_reduce":
+            return gradaccum.Accumulator(3, sync=gradaccum.all_reduce(bucket_mb=1e-5)), params
+        if kind == "custom_reduce":
+            return gradaccum.Accumulator(
+                3, sync=gradaccum.custom_reduce(lambda g, s, pg: (g, s))
+            ), params
+        sharded = gradaccum.shard(params, bucket_mb=1e-5)
+        policy = "every" if kind == "every" else "boundary"
+        sync = gradaccum.reduce_scatter(sharded, policy=policy)
+        return gradaccum.Accumulator(3, sync=sync), sharded
+
+    def finish(acc: gradaccum.Accumulator, state: Any) -> tuple[Any, WindowStats]:
+        for (g, m), rows in zip(mbs[1:], (2, 5), strict=True):
+            state = acc.add(state, g, size=rows, metrics=m)
+        grads, _, stats = acc.boundary(state)
+        return grads, stats
+
+    acc, target = build()
+    state = acc.add(acc.init(target), mbs[0][0], size=3, metrics=mbs[0][1])
+    buf = io.BytesIO()
+    torch.save(acc.state_dict(state), buf)
+    grads, stats = finish(acc, state)
+    acc, target = build()
+    buf.seek(0)
+    resumed = acc.load_state_dict(acc.init(target), torch.load(buf, weights_only=True))
+    again, stats_again = finish(acc, resumed)
+    assert max_diff(grads, again) == 0.0
+    assert stats_again == stats
+    assert stats.weight == 10.0
+
+
 def test_a_saved_state_without_metrics_loads_and_bad_metrics_are_refused() -> None:
     acc = gradaccum.Accumulator(n=2)
     state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)}, size=1)
