@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ._buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
-from ._comm import Check, Comm, Probe, bucket_what, check_options, fill_tail, positive
+from ._comm import Check, Probe, bucket_what, check_options, fill_tail, positive
 from ._errors import describe, is_broken, is_mesh
 from ._layout import make_layout
 from ._mesh import axis, check_group
@@ -94,6 +94,7 @@ class BucketWindow(Window):
         self.reorder = sync.overlap and spec.fast and spec.layout not in sync._ordered
         self.seen: list[int] = []
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
+        self.extra = len(spec.metrics)  # the tail bucket's metric sums, after [weight, failed]
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.opened = False
@@ -105,7 +106,8 @@ class BucketWindow(Window):
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
-            buf = (torch.zeros if zero else torch.empty)(b.numel, dtype=b.dtype, device=b.device)
+            size = b.numel + self.extra * b.tail
+            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
@@ -115,7 +117,7 @@ class BucketWindow(Window):
         if self.opened:
             return
         self.opened = True
-        self.comm = Comm(self.where, self.sync.group, self.sync.timeout, self.sync.check)
+        self.comm = self.connect(self.sync.group, self.sync.timeout, self.sync.check)
         if self.sums is None:  # an empty window still joins, with zero weight
             self.sums = self.storage(zero=True)
         plan, sums = self.plan, self.sums
@@ -127,7 +129,7 @@ class BucketWindow(Window):
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, b)
+            bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
             for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
         ]
         self.remaining = [len(m) for m in plan.members]
@@ -164,14 +166,15 @@ class BucketWindow(Window):
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = self.bufs[k] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                    size = b.numel + self.extra * b.tail
+                    buf = self.bufs[k] = torch.empty(size, dtype=b.dtype, device=b.device)
                     for i, off in zip(plan.members[k], plan.offsets[k]):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
                     packed.append((k, buf))
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
-            tail = tail_buf[-TAIL:]
-            fill_tail(tail, weight, failed)
+            tail = tail_buf[-TAIL - self.extra :]
+            fill_tail(tail, weight, failed, self.metrics)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):
@@ -179,7 +182,9 @@ class BucketWindow(Window):
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
-            total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
+            summed = tail.tolist()
+            total = self.comm.settle(summed, self.spec.reduction, failed)
+            self.totals = (total, summed[TAIL:])
             if self.reorder and not failed:
                 self._agree_order()
         return self.normalised(total)
@@ -229,7 +234,8 @@ def all_reduce(
     summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
     place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
     bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
-    tokens per rank, and a rank with an empty window contributes zero weight.
+    tokens per rank, and a rank with an empty window contributes zero weight. The metrics of
+    [`Accumulator.add()`][gradaccum.Accumulator.add] travel there too.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
     ``layers.9``), the same on every rank. With ``overlap`` and a step function made by
@@ -247,11 +253,13 @@ def all_reduce(
             ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
             buckets mean fewer collectives; more buckets, more overlap.
         check: ``"fingerprint"`` (default): in every window, before its first bucket, the
-            ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
-            buckets (one 16-byte all-reduce); a mismatch raises
-            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
-            before any gradient is sent. ``"full"`` also compares the whole descriptions (a
-            debug mode); ``"never"`` skips it ([why](../sync.md#mismatched-gradient-trees)).
+            ranks exchange a fingerprint of their window index, key paths, shapes, dtypes,
+            reduction, buckets and metric names (one 16-byte all-reduce); a mismatch raises
+            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference
+            (ranks at [different windows](../sync.md#ranks-at-different-windows) get a message
+            of their own), before any gradient is sent. ``"full"`` also compares the whole
+            descriptions (a debug mode); ``"never"`` skips it, and then nothing is checked:
+            neither the trees nor the windows ([why](../sync.md#mismatched-gradient-trees)).
         timeout: Seconds after which each of the sync's collectives fails (the timeout is set
             on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's

@@ -143,13 +143,17 @@ def make_plan(lay: Any, cap: int, order: list[int] | None = None) -> Plan:
 
 
 def bucket_of(
-    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket, numel: int | None = None
 ) -> torch.Tensor | None:
-    """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
+    """The flat bucket the leaves are views of (zero-copy), or None if they are not.
+
+    ``numel``: the bucket's size, if not ``b.numel`` (a tail bucket with metrics is longer).
+    """
     if not leaves:
         return None
     base = leaves[0]._base
-    if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
+    size = b.numel if numel is None else numel
+    if base is None or base.dim() != 1 or base.numel() != size or base.dtype != b.dtype:
         return None
     start, item = base.data_ptr(), base.element_size()
     for leaf, off in zip(leaves, offsets):
