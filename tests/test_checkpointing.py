@@ -162,6 +162,16 @@ def test_training_with_an_optimizer_matches_the_unchecked_model(mode: str) -> No
     assert max_diff(*runs) <= 1e-14
 
 
+def test_compiled_gradaccum_grad_step_is_exact() -> None:
+    # torch.compile: the fast path's window runs eagerly behind a graph break.
+    model = Net("non-reentrant")
+    params, data = gradaccum.params_of(model), batch()
+    step = torch.compile(
+        gradaccum.accumulate(gradaccum.grad(loss_of(model)), 3), backend="aot_eager"
+    )
+    assert max_diff(step(params, data), whole_batch(params, data)) <= 1e-14
+
+
 def test_params_given_to_the_checkpointed_function_may_differ_from_the_module() -> None:
     # A functional update: new tensors every step, the module's own weights stale. Passing the
     # block's params into the checkpointed function keeps the recompute on the params given.
