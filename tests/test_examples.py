@@ -301,3 +301,22 @@ def test_dp_sgd(ranks: int) -> None:
     diff = re.search(r"max parameter difference vs the plain loop: (\S+) OK", stdout)
     assert diff, stdout
     assert float(diff.group(1)) <= 1e-9
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
+def test_migration(ranks: int) -> None:
+    # The loops of docs/migration.md (its code blocks are fragments of this file).
+    stdout = (run_example if ranks == 1 else run_torchrun)("migration.py")
+    for rank in range(ranks):
+        diff = re.search(
+            rf"^rank {rank}: DDP \+ no_sync vs gradaccum, max parameter difference (\S+)$",
+            stdout,
+            re.M,
+        )
+        assert diff, stdout
+        assert float(diff.group(1)) <= 1e-10
+        assert (
+            f"rank {rank}: Accumulator over a DistributedSampler, equal params on all ranks: True"
+            in stdout
+        )
+        assert f"rank {rank}: OK" in stdout
