@@ -320,3 +320,10 @@ def test_migration(ranks: int) -> None:
             in stdout
         )
         assert f"rank {rank}: OK" in stdout
+
+
+@pytest.mark.parametrize("program", ["pages/torchrun.py"])
+def test_page_programs(program: str) -> None:
+    # examples/pages/<page>.py: the code of docs/<page>.md, whose blocks are its fragments.
+    stdout = run_torchrun(program)
+    assert "rank 0: " in stdout
