@@ -28,7 +28,7 @@ def run_example(name: str, *args: str) -> str:
     return proc.stdout
 
 
-def run_torchrun(name: str, *args: str, nproc: int = 2) -> str:
+def run_torchrun(name: str, *args: str, nproc: int = 2, cwd: Path | None = None) -> str:
     """Run ``torchrun --standalone --nproc_per_node <nproc> examples/<name>``; return its stdout.
 
     Every process treats warnings as errors; gloo stays on the loopback interface.
@@ -43,6 +43,7 @@ def run_torchrun(name: str, *args: str, nproc: int = 2) -> str:
         timeout=180,
         check=False,
         env=env,
+        cwd=cwd,
     )
     assert proc.returncode == 0, (
         f"torchrun {name} {' '.join(args)} exited with {proc.returncode}\n"
@@ -327,3 +328,11 @@ def test_page_programs(program: str) -> None:
     # examples/pages/<page>.py: the code of docs/<page>.md, whose blocks are its fragments.
     stdout = run_torchrun(program)
     assert "rank 0: " in stdout
+
+
+def test_reliability_page_restarts_from_its_checkpoints(tmp_path: Path) -> None:
+    # docs/reliability.md's loop: a run that saves every 50 micro-steps, then a restart from them.
+    first = run_torchrun("pages/reliability.py", cwd=tmp_path)
+    assert "rank 1: trained to micro-step 4000 from step 0" in first
+    second = run_torchrun("pages/reliability.py", cwd=tmp_path)
+    assert "rank 1: trained to micro-step 4000 from step 4000" in second
