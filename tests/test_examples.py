@@ -323,11 +323,11 @@ def test_migration(ranks: int) -> None:
         assert f"rank {rank}: OK" in stdout
 
 
-@pytest.mark.parametrize("program", ["pages/torchrun.py"])
-def test_page_programs(program: str) -> None:
+@pytest.mark.parametrize("program", ["pages/torchrun.py", "pages/sharded.py"])
+def test_page_programs(program: str, tmp_path: Path) -> None:
     # examples/pages/<page>.py: the code of docs/<page>.md, whose blocks are its fragments.
-    stdout = run_torchrun(program)
-    assert "rank 0: " in stdout
+    stdout = run_torchrun(program, cwd=tmp_path)  # pages write checkpoints
+    assert "rank 1: " in stdout
 
 
 def test_reliability_page_restarts_from_its_checkpoints(tmp_path: Path) -> None:
