@@ -323,7 +323,9 @@ def test_migration(ranks: int) -> None:
         assert f"rank {rank}: OK" in stdout
 
 
-@pytest.mark.parametrize("program", ["pages/torchrun.py", "pages/sharded.py", "pages/scale.py"])
+@pytest.mark.parametrize(
+    "program", ["pages/torchrun.py", "pages/sharded.py", "pages/scale.py", "pages/reductions.py"]
+)
 def test_page_programs(program: str, tmp_path: Path) -> None:
     # examples/pages/<page>.py: the code of docs/<page>.md, whose blocks are its fragments.
     stdout = run_torchrun(program, cwd=tmp_path)  # pages write checkpoints
