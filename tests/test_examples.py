@@ -324,7 +324,14 @@ def test_migration(ranks: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "program", ["pages/torchrun.py", "pages/sharded.py", "pages/scale.py", "pages/reductions.py"]
+    "program",
+    [
+        "pages/torchrun.py",
+        "pages/sharded.py",
+        "pages/scale.py",
+        "pages/reductions.py",
+        "pages/sync.py",
+    ],
 )
 def test_page_programs(program: str, tmp_path: Path) -> None:
     # examples/pages/<page>.py: the code of docs/<page>.md, whose blocks are its fragments.
