@@ -35,11 +35,16 @@ CASES = [
 ]
 
 
+# docs figure -> (the example that draws it, its arguments besides --plot)
+EXAMPLE_FIGURES = {"images/quickstart-loss.png": ("quickstart.py", ("--steps", "100"))}
+
+
 def test_every_figure_is_known() -> None:
-    found = sorted(p.name for p in FIGURES_DIR.glob("*.png"))
-    assert found == sorted(FIGURES), (
-        f"figures in docs/benchmarks/ without a known source: {sorted(set(found) - set(FIGURES))}; "
-        f"add them to FIGURES in tests/test_figures.py with the script and data they come from"
+    found = sorted(p.relative_to(ROOT / "docs").as_posix() for p in ROOT.glob("docs/**/*.png"))
+    known = sorted([f"benchmarks/{name}" for name in FIGURES] + list(EXAMPLE_FIGURES))
+    assert found == known, (
+        f"figures under docs/ without a known source: {sorted(set(found) - set(known))}; add "
+        f"them to FIGURES or EXAMPLE_FIGURES in tests/test_figures.py with what draws them"
     )
 
 
@@ -75,3 +80,27 @@ def test_figure_redraws_from_its_data(name: str, tmp_path: Path) -> None:
     redrawn = png_check(tmp_path / name, min_size=(800, 300))
     assert redrawn["Source"] == data
     assert redrawn["Source-SHA256"] == hashlib.sha256((tmp_path / data).read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXAMPLE_FIGURES))
+def test_example_figure_is_what_the_example_draws_today(name: str, tmp_path: Path) -> None:
+    # The curves are hashed (rounded to 10 digits) in the PNG: rerunning the example must give
+    # the same ones, or the figure on the page shows another run than the code makes.
+    pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
+    pytest.importorskip("tqdm", reason="the examples need the [examples] extra")
+    example, args = EXAMPLE_FIGURES[name]
+    png = tmp_path / "figure.png"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example), *args, "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    drawn = png_check(ROOT / "docs" / name)["Data-SHA256"]
+    assert png_check(png)["Data-SHA256"] == drawn, (
+        f"docs/{name} shows other curves than examples/{example} {' '.join(args)} draws today; "
+        f"redraw it: python examples/{example} {' '.join(args)} --plot docs/{name}"
+    )
