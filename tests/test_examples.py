@@ -86,10 +86,14 @@ def test_quickstart(args: tuple[str, ...], tol: float, tmp_path: Path) -> None:
     ],
     ids=["1-process-float32", "2-ranks-float64-unequal"],
 )
-def test_ddp(ranks: int, args: tuple[str, ...], tol: float) -> None:
+def test_ddp(ranks: int, args: tuple[str, ...], tol: float, tmp_path: Path) -> None:
     pytest.importorskip("tqdm", reason="examples/ddp.py needs the [examples] extra")
-    args = ("--check", "--steps", "10", "--device", "cpu", *args)
+    pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
+    png = tmp_path / "loss.png"
+    args = ("--check", "--steps", "10", "--device", "cpu", "--plot", str(png), *args)
     stdout = run_example("ddp.py", *args) if ranks == 1 else run_torchrun("ddp.py", *args)
+    assert stdout.count(f"wrote {png}") == 1  # rank 0 only
+    assert len(png_check(png)["Data-SHA256"]) == 64
     assert f"{ranks} rank(s), gloo on cpu" in stdout
     if ranks == 2:
         assert "global batch 45 rows = [23, 22] per rank" in stdout
