@@ -135,9 +135,7 @@ def streaming(model, loss_fn, dataset, n, steps, rank, world, micro_batch_size):
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler)
     params = gradaccum.params_of(model)
-    micro_grad = gradaccum.grad(
-        lambda params, x, y: loss_fn(functional_call(model, params, (x,)), y)
-    )
+    micro_grad = gradaccum.grad(lambda p, x, y: loss_fn(functional_call(model, p, (x,)), y))
     acc = gradaccum.Accumulator(n=n, sync=gradaccum.all_reduce())
 
     def apply(grads):
