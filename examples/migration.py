@@ -206,6 +206,12 @@ def token_batches(world: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
+def say(line: str) -> None:
+    """Print a whole line in one write: the ranks share stdout, and their lines must not mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = (gradaccum.params_of(m) for m in models)
         diff = max((a[k] - b[k]).abs().max().item() for k in a)
         ok &= diff <= TOL
-        print(f"rank {rank}: DDP + no_sync vs gradaccum, max parameter difference {diff:.2e}")
+        say(f"rank {rank}: DDP + no_sync vs gradaccum, max parameter difference {diff:.2e}")
 
         model = make_model()
         dataset = torch.utils.data.TensorDataset(*(torch.cat(t) for t in zip(*batches)))
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         same = bool(torch.equal(spread, flat))
         ok &= same
-        print(
+        say(
             f"rank {rank}: Accumulator over a DistributedSampler, equal params on all ranks: {same}"
         )
 
@@ -257,16 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         expected = torch.func.grad(token_mean)(gradaccum.params_of(lm))
         diff = max((grads[k] - expected[k]).abs().max().item() for k in grads)
         ok &= diff <= TOL
-        print(
-            f"rank {rank}: token-level window vs the global token mean, max difference {diff:.2e}"
-        )
+        say(f"rank {rank}: token-level window vs the global token mean, max difference {diff:.2e}")
 
         if args.accelerate:
             with_accelerate(make_model(), loss_fn, loader, n, steps)
-            print(f"rank {rank}: the Accelerate loop ran")
+            say(f"rank {rank}: the Accelerate loop ran")
     finally:
         dist.destroy_process_group()
-    print(f"rank {rank}: {'OK' if ok else 'FAILED'}")
+    say(f"rank {rank}: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 
