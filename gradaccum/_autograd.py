@@ -307,6 +307,11 @@ def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
         return None
 
 
+# The running backward's id (-1 outside one), as torch.utils.checkpoint reads it; without it
+# (another torch), every module run while the guard is on is checked.
+_graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
 class CheckpointGuard:
     """Around a backward of ``leaves``: refuse what activation checkpointing would get wrong."""
 
@@ -336,6 +341,8 @@ class CheckpointGuard:
             ) from err
 
     def _check(self, module: torch.nn.Module, _inputs: Any) -> None:
+        if _graph_task() == -1:  # not inside a backward: another thread's forward
+            return
         if self.keys is None:
             flat, _ = _tree.flatten(self.args)
             tensors = [*self.leaves, *(t for t in flat if isinstance(t, torch.Tensor))]

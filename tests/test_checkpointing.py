@@ -20,6 +20,7 @@ from torch import nn
 from torch.func import functional_call
 
 import gradaccum
+from gradaccum._autograd import CheckpointGuard  # the guard itself, for one edge case
 
 F64 = torch.float64
 ROWS = 10  # n=3 splits them 4, 3, 3: ragged micro-batches
@@ -396,3 +397,9 @@ def test_data_parallel_equals_the_global_batch() -> None:
 
 def test_the_reference_model_has_the_same_weights() -> None:
     assert max_diff(gradaccum.params_of(Net("non-reentrant")), gradaccum.params_of(Net())) == 0
+
+
+def test_the_guard_checks_only_modules_run_inside_the_backward() -> None:
+    # While a backward is guarded, a forward outside any backward (another thread's) is not ours.
+    with CheckpointGuard("where", [torch.zeros(2)], ()):
+        nn.Linear(2, 2)(torch.zeros(1, 2))
