@@ -255,6 +255,6 @@ def test_the_page_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     namespace = {"__name__": "docs_huggingface"}
     blocks = python_blocks(page)
     assert len(blocks) == 2
-    for line, source in blocks:
-        exec(compile("\n" * (line - 1) + source, str(page), "exec"), namespace)
+    for block in blocks:
+        exec(compile("\n" * (block.line - 1) + block.source, str(page), "exec"), namespace)
     assert "lm_head.weight" not in namespace["params"]  # tied to transformer.wte.weight

@@ -78,7 +78,7 @@ def test_the_page_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     torch.manual_seed(0)
     namespace = {"__name__": "docs_lightning"}
     blocks = python_blocks(PAGE)
-    assert len(blocks) == 1
-    for line, source in blocks:
-        exec(compile("\n" * (line - 1) + source, str(PAGE), "exec"), namespace)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile("\n" * (block.line - 1) + block.source, str(PAGE), "exec"), namespace)
     assert namespace["trainer"].global_step == 3
