@@ -25,14 +25,7 @@ FIGURES = {
     "benchmarks.png": ("suite.py", "results.json"),
     "compression.png": ("compression.py", "compression.json"),
 }
-# compression.png predates compression.json, which only a benchmark run writes (32 s on 2 cores:
-# python benchmarks/compression.py). Strict: once it is run, this marker must go.
-PENDING = pytest.mark.xfail(
-    strict=True, reason="compression.json not written yet: run python benchmarks/compression.py"
-)
-CASES = [
-    pytest.param(name, marks=PENDING) if name == "compression.png" else name for name in FIGURES
-]
+CASES = FIGURES
 
 
 # docs figure -> (the example that draws it, its arguments besides --plot)
