@@ -175,9 +175,8 @@ class Windows(Generic[B]):
             while self.epochs is None or self._epoch < self.epochs:
                 yield from self._run_epoch()
                 self._next_epoch()
-        finally:
+        finally:  # a window yielded stays current (iterable) until a new loop yields one
             self._iterating = False
-            self._current = None
 
     def _run_epoch(self) -> Iterator[DataWindow[B]]:
         where, n = self._where, self.n

@@ -179,6 +179,7 @@ def set_epoch(data: Any, epoch: int) -> None:
         return
     seen: set[int] = set()
     batch_sampler = getattr(data, "batch_sampler", None)
+    obj: Any
     for obj in (
         getattr(data, "sampler", None),
         batch_sampler,

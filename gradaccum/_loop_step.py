@@ -192,7 +192,7 @@ class Step:
         self._since: float | None = None
         # SHIM(H1): the window's loss sum and micro-batches, kept here until Accumulator.add
         # takes metrics= and Accumulator.boundary returns them (then they ride its tail).
-        self._sums = [0.0, 0]
+        self._sums: list[Any] = [0.0, 0]
         self._found = data_axes(where, sync, None)
 
     @property

@@ -10,8 +10,22 @@ See the page "A whole training loop" (docs/loop.md).
 
 from ._loop_data import Windows as Windows
 from ._loop_plan import DataWindow as DataWindow
+from ._loop_progress import Progress as Progress
+from ._loop_progress import progress as progress
+from ._loop_save import load as load
+from ._loop_save import save as save
 from ._loop_step import Step as Step
 from ._loop_step import StepStats as StepStats
 from ._loop_windows import windows as windows
 
-__all__ = ["DataWindow", "Step", "StepStats", "Windows", "windows"]
+__all__ = [
+    "DataWindow",
+    "Progress",
+    "Step",
+    "StepStats",
+    "Windows",
+    "load",
+    "progress",
+    "save",
+    "windows",
+]
