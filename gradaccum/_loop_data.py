@@ -76,6 +76,7 @@ class Windows(Generic[B]):
         self._started = self._closed = False  # the window in progress was yielded; its loop ended
         self._rng: torch.Tensor | None = None  # the RNG the epoch's iterator was created with
         self._gens: list[torch.Tensor] = []
+        self._gens_now: list[torch.Tensor] = []  # the data's generators when the state was saved
         self._it: Iterator[B] | None = None
         self._buffer: deque[B] = deque()
         self._exhausted = False
@@ -204,7 +205,13 @@ class Windows(Generic[B]):
             self._advance()
         count = None if longest is None else count_windows(where, n, self._epoch_window, longest)
         if count is not None and self._window - self._epoch_window >= count:
-            return  # the epoch's last window was closed: its iterator is not needed again
+            # The epoch's last window was closed: no need to read the epoch again, but the
+            # data's generators go on from the states they had when it was saved.
+            gens = generators_of(self.data)
+            if self._it is None and len(self._gens_now) == len(gens):
+                for g, state in zip(gens, self._gens_now):
+                    g.set_state(state)
+            return
         if self._it is None:
             self._open()
         mine = len(self.data) if self._sized else 0  # type: ignore[arg-type]
@@ -357,6 +364,7 @@ class Windows(Generic[B]):
             "epoch_window": self._epoch_window,
             "rng": None if self._rng is None else self._rng.clone(),
             "generators": [s.clone() for s in self._gens],
+            "generators_now": [g.get_state() for g in generators_of(self.data)],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -382,5 +390,6 @@ class Windows(Generic[B]):
         self._epoch_window = sd["epoch_window"]
         self._rng = None if sd["rng"] is None else sd["rng"].clone()
         self._gens = [g.clone() for g in sd["generators"]]
+        self._gens_now = [g.clone() for g in sd.get("generators_now", [])]
         self._it, self._exhausted, self._current = None, False, None
         self._buffer.clear()

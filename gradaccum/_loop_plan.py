@@ -201,7 +201,7 @@ def check_position(where: str, sd: Any, fmt: str) -> dict[str, Any]:
         value = sd.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise GradAccumError(f"{where}: {key} must be an int >= 0, got {describe(value)}{FIX}")
-    rng, gens = sd.get("rng"), sd.get("generators")
+    rng = sd.get("rng")
     flags = (sd.get("started"), sd.get("closed"))
     if any(not isinstance(f, bool) for f in flags) or not (
         rng is None or isinstance(rng, torch.Tensor)
@@ -210,10 +210,12 @@ def check_position(where: str, sd: Any, fmt: str) -> dict[str, Any]:
             f"{where}: started and closed must be bools and rng a tensor or None, got "
             f"{describe(flags)} and {describe(rng)}{FIX}"
         )
-    if not isinstance(gens, list) or any(not isinstance(g, torch.Tensor) for g in gens):
-        raise GradAccumError(
-            f"{where}: generators must be a list of tensors, got {describe(gens)}{FIX}"
-        )
+    for key in ("generators", "generators_now"):
+        gens = sd.get(key, [])
+        if not isinstance(gens, list) or any(not isinstance(g, torch.Tensor) for g in gens):
+            raise GradAccumError(
+                f"{where}: {key} must be a list of tensors, got {describe(gens)}{FIX}"
+            )
     return sd
 
 
