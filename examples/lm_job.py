@@ -252,6 +252,7 @@ def _rank_main(
     if port:
         _environ(rank, world, port)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the model is tiny: one thread per process
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
