@@ -81,22 +81,25 @@ def test_the_page_shows_the_files_and_their_counts() -> None:
         ], name
 
 
+EMPTY_LAST = (2, 81, "[21, 20]", 12)  # rank 1's last window of each epoch is empty
+CASES = [
+    ("gradaccum", 1, 81, "[41]", 22),
+    ("gradaccum", *EMPTY_LAST),
+    ("gradaccum", 2, 73, "[19, 18]", 10),  # the last windows short and uneven (3 and 2)
+    ("DDP + no_sync", *EMPTY_LAST),
+    ("Accelerate", *EMPTY_LAST),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("nproc", "rows", "lengths", "windows"),
-    [
-        (1, 81, "[41]", 22),
-        (2, 81, "[21, 20]", 12),  # rank 1's last window of each epoch is empty
-        (2, 73, "[19, 18]", 10),  # the last windows short and uneven (3 and 2)
-    ],
-    ids=["1-process", "2-ranks-empty-last-window", "2-ranks-uneven"],
+    ("version", "nproc", "rows", "lengths", "windows"),
+    CASES,
+    ids=[f"{v.split()[0]}-{p}-proc-{r}-rows" for v, p, r, *_ in CASES],
 )
-@pytest.mark.parametrize("version", ["gradaccum", "DDP + no_sync", "Accelerate"])
 def test_versions_are_exact(version, nproc, rows, lengths, windows) -> None:
     if version == "Accelerate":
         pytest.importorskip("accelerate")
-    if version != "gradaccum" and (nproc, rows) != (2, 81):
-        pytest.skip("the anchors are run on the case of the issue only")
     args = ("--nproc", str(nproc), "--rows", str(rows))
     out = run_version(VERSIONS[version], *args)
     assert f"micro-batches per rank {lengths}, n=4, 2 epochs: {windows} windows" in out
@@ -130,21 +133,23 @@ def test_lm_loop_under_torchrun() -> None:
 # -- what the anchors get wrong by default (the claims of docs/loop.md) --------------------------
 
 
-def _naive_ddp(rank: int, world: int, step_at_epoch_end: bool) -> list[tuple[int, int]]:
-    """The usual DDP + no_sync loop on loaders of 21 and 20 micro-batches, n = 4: it returns
-    the (epoch, window) of this rank at each synchronised backward, in order.
+def _naive_ddp(rank: int, world: int, step_at_epoch_end: bool) -> list[tuple[int, int, int]]:
+    """The usual DDP + no_sync loop on loaders of 21 and 20 micro-batches, n = 4: it returns,
+    at each synchronised backward in order, this rank's (epoch, window, micro-batches in .grad).
     """
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = [torch.randn(2, 2) for _ in range(21 if rank == 0 else 20)]
-    synced = []
+    synced, held = [], 0
     for epoch in range(2):
         for i, x in enumerate(data):
             sync = (i + 1) % 4 == 0 or (step_at_epoch_end and i + 1 == len(data))
             with contextlib.nullcontext() if sync else model.no_sync():
                 model(x).sum().backward()
+            held += 1
             if sync:
-                synced.append((epoch, i // 4))
+                synced.append((epoch, i // 4, held))
+                held = 0
                 optimizer.step()
                 optimizer.zero_grad()
     return synced
@@ -153,8 +158,14 @@ def _naive_ddp(rank: int, world: int, step_at_epoch_end: bool) -> list[tuple[int
 @pytest.mark.distributed
 def test_naive_ddp_mixes_epochs_silently() -> None:
     r0, r1 = dist.values(dist.run(_naive_ddp, False, timeout=120))
-    assert r0 == r1 == [(e, w) for e in range(2) for w in range(5)]
-    # Rank 0's 21st micro-batch of epoch 0 stays in .grad: its window 0 of epoch 1 holds 5.
+    assert (
+        [(e, w) for e, w, _ in r0]
+        == [(e, w) for e, w, _ in r1]
+        == [(e, w) for e in range(2) for w in range(5)]
+    )
+    assert [held for *_, held in r1] == [4] * 10
+    # Rank 0's 21st micro-batch of epoch 0 stays in .grad: its first window of epoch 1 holds 5.
+    assert [held for *_, held in r0] == [4] * 5 + [5] + [4] * 4
 
 
 @pytest.mark.distributed
@@ -165,7 +176,7 @@ def test_naive_ddp_stepping_at_the_epoch_end_pairs_epochs_then_hangs() -> None:
     assert results[0][0] == "err"
     assert re.search(r"Connection (reset|closed)|[Tt]imed out", results[0][2]), results[0][2]
     r1 = results[1][1]
-    assert r1 == [(e, w) for e in range(2) for w in range(5)]
+    assert [(e, w) for e, w, _ in r1] == [(e, w) for e in range(2) for w in range(5)]
     # The 6th all-reduce pairs rank 0's last window of epoch 0 with rank 1's first of epoch 1.
 
 
@@ -213,6 +224,7 @@ def _accelerate_defaults(rank: int, world: int) -> dict:
     out["samples"] = [int(x) for batch in loader for x in batch]
     acc.backward(model(torch.ones(1, 2)).sum())  # a window in progress
     acc.save_state(os.environ["CKPT"])
+    torch.distributed.barrier()  # every rank's files are written
     out["saved"] = sorted(os.listdir(os.environ["CKPT"]))
     return out
 
@@ -234,5 +246,11 @@ def test_accelerate_defaults(tmp_path) -> None:
     # A prepared loader of 81 samples gives 84 (even_batches=True): 3 samples twice.
     both = r0["samples"] + r1["samples"]
     assert (len(both), len(set(both))) == (84, 81)
-    # save_state keeps no gradient: a window in progress is lost.
-    assert not any("grad" in name for name in r0["saved"])
+    # save_state keeps no gradient, nor the data position: a window in progress is lost.
+    assert r0["saved"] == [
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "scheduler.bin",
+    ]
