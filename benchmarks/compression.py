@@ -35,8 +35,11 @@ rank the same gradient, so they must be bit-identical.
 Outputs (in ``--out``, default ``docs/benchmarks``; with ``--quick`` a directory under the
 temporary directory, so that a smoke run leaves the docs alone): ``compression.png`` (held-out
 loss against the step, log y, one line per strategy, and the same relative to ``exact``; needs
-matplotlib) and ``compression_output.txt`` (everything printed). The exit status is 1 when a
-strategy's final loss is not finite or the ranks' parameters differ.
+matplotlib), ``compression.json`` (the curves and byte counts it is drawn from, whose SHA-256
+the PNG's metadata holds: ``tests/test_figures.py`` checks that they agree) and
+``compression_output.txt`` (everything printed). ``--replot`` redraws the figure from
+``compression.json`` without running anything. The exit status is 1 when a strategy's final loss
+is not finite or the ranks' parameters differ.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import argparse
 import contextlib
 import datetime
 import io
+import json
 import math
 import os
 import platform
@@ -59,6 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _figures
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -270,9 +275,9 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
     return {"by_purpose": by, "total": sum(by.values()), "final": res["eval_loss"][-1]}
 
 
-def plot(
-    results: dict[str, Any], sums: dict[str, Any], names: list[str], path: Path, title: str
-) -> bool:
+def plot(data: dict[str, Any], path: Path, source: Path) -> bool:
+    """Draw the figure from ``data`` (what ``compression.json``, the file ``source``, holds)."""
+    results, sums, names, title = data["results"], data["sums"], data["names"], data["title"]
     try:
         import matplotlib
 
@@ -305,7 +310,7 @@ def plot(
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata=_figures.metadata(source))
     plt.close(fig)
     return True
 
@@ -404,8 +409,18 @@ def run(args: argparse.Namespace) -> int:
         f"{WORLD} ranks x {args.n} micro-batches, {n_params:,}-param MLP, "
         f"SGD(lr={args.lr:g}, momentum={args.momentum:g})"
     )
+    keep = ("train_loss", "eval_steps", "eval_loss")
+    data = {
+        "names": names,
+        "title": title,
+        "results": {k: {key: results[k][key] for key in keep} for k in names},
+        "sums": sums,
+    }
+    source = args.out / "compression.json"
+    source.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {shown(source)}")
     png = args.out / "compression.png"
-    if plot(results, sums, names, png, title):
+    if plot(data, png, source):
         print(f"wrote {shown(png)}")
     print(f"{'OK' if ok else 'FAILED'}; {time.perf_counter() - started:.0f} s")
     return 0 if ok else 1
@@ -429,7 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="output directory (default docs/benchmarks)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw compression.png from compression.json"
+    )
     args = parser.parse_args(argv)
+    if args.replot:  # no benchmark: the figure from the data already there
+        out = args.out or REPO / "docs" / "benchmarks"
+        source = out / "compression.json"
+        return 0 if plot(json.loads(source.read_text()), out / "compression.png", source) else 1
     args.steps = args.steps or (30 if args.quick else 300)
     args.hidden = args.hidden or (64 if args.quick else 256)
     if args.out is None:

@@ -65,8 +65,10 @@ How to read the output, per model:
 
 Outputs: ``<out>/results.json`` (machine, settings, every step time, medians, ratios,
 collectives, parameter differences, memory) and ``<out>/benchmarks.png`` (per model: the
-step-time ratios against n for both sections, and the memory growth against n). The exit status
-is 1 when some strategy's parameters disagree with the reference.
+step-time ratios against n for both sections, and the memory growth against n), whose PNG
+metadata names results.json and its SHA-256 (``tests/test_figures.py`` checks that they agree).
+``--replot`` redraws the figure from ``<out>/results.json`` without running anything. The exit
+status is 1 when some strategy's parameters disagree with the reference.
 
 Processes are started with torch.multiprocessing's ``forkserver`` (a server that imported torch
 once forks each fresh process in milliseconds, so the many memory configurations stay cheap).
@@ -97,6 +99,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench_models as bm
+import _figures
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -640,7 +643,8 @@ def _print_memory(model: str, mem: dict[str, Any], ns: list[int], steps: int) ->
     print(flush=True)
 
 
-def _plot(results: dict[str, Any], path: Path) -> bool:
+def _plot(results: dict[str, Any], path: Path, source: Path) -> bool:
+    """Draw ``results`` (read from the file ``source``) to ``path``, stamped with its hash."""
     try:
         import matplotlib
 
@@ -686,7 +690,7 @@ def _plot(results: dict[str, Any], path: Path) -> bool:
                 ax.plot(ns, growth, ls, marker="o", color=color[name], label=name + suffix)
         setup(ax, f"{model}: peak live heap - heap after set-up, MiB per process", ns)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=_figures.metadata(source))
     plt.close(fig)
     return True
 
@@ -705,7 +709,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section")
     parser.add_argument("--memory-ns", type=int, nargs="+", help="n for memory (default --ns)")
     parser.add_argument("--memory-steps", type=int, default=3, help="steps per memory config")
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw <out>/benchmarks.png from <out>/results.json"
+    )
     args = parser.parse_args(argv)
+    if args.replot:  # no benchmark: the figure from the data already there
+        source = args.out / "results.json"
+        drawn = _plot(json.loads(source.read_text()), args.out / "benchmarks.png", source)
+        return 0 if drawn else 1
     args.ns = args.ns or ([1, 2] if args.quick else [1, 4, 8, 16])
     args.steps = args.steps or (3 if args.quick else 15)
     args.memory_ns = args.memory_ns or args.ns
@@ -788,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out / 'results.json'}")
-    if _plot(results, args.out / "benchmarks.png"):
+    if _plot(results, args.out / "benchmarks.png", args.out / "results.json"):
         print(f"wrote {args.out / 'benchmarks.png'}")
     print(
         f"parameters agree: {'yes' if agree else 'NO (see the ! above)'}; "

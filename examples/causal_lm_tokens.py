@@ -23,6 +23,7 @@ Run it (a few seconds on 2 CPU cores)::
 
     python examples/causal_lm_tokens.py
     torchrun --standalone --nproc_per_node 2 examples/causal_lm_tokens.py --steps 20
+    python examples/causal_lm_tokens.py --plot loss.png   # both runs' loss curves (matplotlib)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from _plot import loss_curves
 from torch import nn
 from torch.func import functional_call, grad, grad_and_value
 from tqdm import tqdm
@@ -186,16 +188,25 @@ def run(args: argparse.Namespace, rank: int, world: int) -> int:
     ref_params = gradaccum.params_of(reference)
     ref_grad = grad_and_value(lambda p, t: token_mean(p, t, reference))
     progress = tqdm(range(args.steps), unit="step", disable=rank != 0)
+    accumulated = f"accumulated, n={args.n} per rank"
+    losses: dict[str, list[float]] = {"whole batch": [], accumulated: []}
     for i in progress:
         tokens = make_batch(args.batch, args.max_len, seed=args.seed * 100_000 + i + 1)
+        if args.plot:  # the accumulated run's token mean over the whole global batch
+            with torch.no_grad():
+                losses[accumulated].append(token_mean(params, tokens).item())
         grads, (local_loss, local_count) = step(params, tokens.tensor_split(world)[rank])
         gradaccum.write_grads(model, grads)
         optimizer.step()
         ref_grads, loss = ref_grad(ref_params, tokens)
         gradaccum.write_grads(reference, ref_grads)
         ref_optimizer.step()
+        losses["whole batch"].append(loss.item())
         progress.set_postfix(token_loss=f"{loss.item():.4f}")
     progress.close()
+    if args.plot and rank == 0:
+        title = f"causal LM, token-mean loss: {world} process(es), batch {args.batch}"
+        say(f"wrote {loss_curves(args.plot, losses, title=title)}")
     (param_diff,) = worst_over_ranks(max_diff(params, ref_params))
     param_ok = param_diff <= PARAM_TOLERANCE
     shard_loss = (
@@ -223,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="global batch, in sequences")
     parser.add_argument("--max-len", type=int, default=24, help="longest sequence, in tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="PATH", help="write both runs' loss curves (PNG)")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.steps < 1 or args.n < 1 or args.batch < world * args.n or args.max_len < 3:

@@ -27,6 +27,7 @@ Run it (a few seconds on 2 CPU cores)::
     torchrun --standalone --nproc_per_node 2 examples/ddp.py --check
     torchrun --standalone --nproc_per_node 2 examples/ddp.py --batch 45 -n 3 --dtype float64 --check
     python examples/ddp.py --check   # one process: a world of one, the same code path
+    torchrun --standalone --nproc_per_node 2 examples/ddp.py --check --plot loss.png  # the curves
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _plot import loss_curves
 from torch import nn
 from torch.func import functional_call
 from tqdm import tqdm
@@ -188,12 +190,18 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     clipped = 0
     started = time.perf_counter()
     progress = tqdm(range(args.steps), unit="step", disable=rank != 0)
+    curves: dict[str, list[float]] = {"whole batch (float64 reference)": [], "gradaccum": []}
     for i in progress:
         # Each rank generates the whole global batch from the shared seed and keeps its shard;
         # a real input pipeline would read only its shard (e.g. DistributedSampler).
         x, y = make_data(label, args.batch, seed=args.seed * 100_000 + i)
         x, y = x.to(device, dtype), y.to(device)
         shard = (x.tensor_split(world)[rank], y.tensor_split(world)[rank])
+        if args.plot:  # both models' loss on the whole global batch, before their steps
+            with torch.no_grad():
+                curves["gradaccum"].append(nn.functional.cross_entropy(model(x), y).item())
+                ref_loss = nn.functional.cross_entropy(reference(x.double()), y)
+                curves["whole batch (float64 reference)"].append(ref_loss.item())
 
         with gradaccum.sync.record_collectives() as log:
             per_step.append(log)
@@ -215,6 +223,9 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     progress.close()
     elapsed = time.perf_counter() - started
 
+    if args.plot and rank == 0:
+        title = f"ddp.py: {world} rank(s), batch {args.batch}, n={args.n} per rank, {args.dtype}"
+        say(f"wrote {loss_curves(args.plot, curves, title=title)}")
     x_eval, y_eval = make_data(label, 2000, seed=args.seed * 100_000 - 1)
     with torch.no_grad():
         accuracy = (model(x_eval.to(device, dtype)).argmax(1).cpu() == y_eval).double().mean()
@@ -224,11 +235,21 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         f"collectives in step 1: {describe_step(per_step[0])}",
         f"collectives per step after that: {describe_step(per_step[-1])}",
     )
+
     # Expected: in every step, the 16-byte fingerprint (the ranks' gradient trees agree), then
-    # one all_reduce per bucket; nothing while the micro-batches of a window run.
-    expected = [("all_reduce", "fingerprint", 2)]
-    expected += [("all_reduce", "gradients", b.numel) for b in buckets]
-    per_bucket = all([(c.kind, c.purpose, c.numel) for c in log] == expected for log in per_step)
+    # one all_reduce per bucket; in step 1 also the order the gradients became ready in (one
+    # number per leaf), which the later steps' buckets follow; nothing while micro-batches run.
+    def expected(plan: tuple[gradaccum.sync.Bucket, ...]) -> list[tuple[str, str, int]]:
+        return [("all_reduce", "fingerprint", 2)] + [
+            ("all_reduce", "gradients", b.numel) for b in plan
+        ]
+
+    leaves = len(list(model.parameters()))
+    first = expected(buckets) + [("all_reduce", "bucket order", leaves)] * (world > 1)
+    per_bucket = all(
+        [(c.kind, c.purpose, c.numel) for c in log] == (expected(sync.plan(params)) if i else first)
+        for i, log in enumerate(per_step)
+    )
     in_window = sum(1 for seen in inside if seen)
     diff = 0.0
     if reference is not None:
@@ -268,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--check", action="store_true", help="compare with a float64 reference")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="PATH", help="with --check: both runs' loss (PNG)")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.plot and not args.check:
+        parser.error("--plot draws the run beside the reference: add --check")
     if args.steps < 1 or args.n < 1 or args.batch < world:
         parser.error(f"need --steps >= 1, -n >= 1 and --batch >= the number of ranks ({world})")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -16,6 +16,7 @@ Run it (under 10 s on 2 CPU cores)::
 
     python examples/quickstart.py
     python examples/quickstart.py --n 4 --batch-size 100 --dtype float32 --steps 500
+    python examples/quickstart.py --plot loss.png   # the two loss curves (needs matplotlib)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import time
 
 import torch
+from _plot import loss_curves
 from torch import nn
 from torch.func import functional_call, grad_and_value
 from tqdm import tqdm
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256, help="rows per batch")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="PATH", help="write both runs' loss curves (PNG)")
     args = parser.parse_args(argv)
     if args.steps < 1 or not 1 <= args.batch_size <= TRAIN_POINTS:
         parser.error(f"need --steps >= 1 and 1 <= --batch-size <= {TRAIN_POINTS}")
@@ -144,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         total=args.steps,
         unit="step",
     )
+    losses_a, losses_b = [], []
     for step, idx in progress:
         batch = (x_train[idx], y_train[idx])
         loss_a = optimizer_step(model_a, params_a, step_a, batch, opt_a, sched_a)
         loss_b = optimizer_step(model_b, params_b, step_b, batch, opt_b, sched_b)
+        losses_a.append(loss_a)
+        losses_b.append(loss_b)
         if step % 10 == 0 or step == args.steps - 1:
             progress.set_postfix(loss_accumulated=f"{loss_a:.4f}", loss_whole=f"{loss_b:.4f}")
     progress.close()
@@ -163,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "OK" if max_diff <= tol else "FAILED"
     print(f"trained in {elapsed:.1f} s")
     print(f"max parameter difference: {max_diff:.3e} (tolerance {tol:g}) {verdict}")
+    if args.plot:
+        curves = {"whole batch": losses_b, f"accumulated, n={args.n}": losses_a}
+        title = f"quickstart: batch {args.batch_size}, {args.dtype}, seed {args.seed}"
+        print(f"wrote {loss_curves(args.plot, curves, title=title)}")
     return 0 if max_diff <= tol else 1
 
 

@@ -1,10 +1,12 @@
 """A new sync kind as one module: sign compression with error feedback (signSGD/EF style).
 
 Written from the public protocol alone, with no change to gradaccum: a subclass of
-``gradaccum.sync.Sync`` and of ``gradaccum.sync.Window``, every collective through
-``gradaccum.sync.Comm`` (so ``record_collectives`` counts it and a failure names the call and rank).
-At the boundary each rank agrees on the tree (``comm.probe``/``agree``), sums weight and failure
-flag over the ranks (``comm.exchange``/``settle``), divides its sums by the global weight
+``gradaccum.sync.Sync`` and of ``gradaccum.sync.Window``, every collective through the
+``gradaccum.sync.Comm`` of ``Window.connect`` (so ``record_collectives`` counts it, a failure names
+the call and rank, the fingerprint covers the window's index and ``Accumulator`` metrics ride the
+weight's all-reduce). At the boundary each rank agrees on the tree and window
+(``comm.probe``/``agree``), sums weight and failure flag over the ranks
+(``comm.exchange``/``settle``), divides its sums by the global weight
 (``self.normalised``), adds the residual that compression dropped last window, and all-gathers
 each leaf as a float64 scale (mean |g|) and int8 signs. What is lost is the next residual, kept in
 ``Sync.state`` (the core carries it). ``--no-compress`` all-reduces the exact sums instead.
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import gradaccum
-from gradaccum.sync import Comm, Sync, Window, record_collectives
+from gradaccum.sync import Sync, Window, record_collectives
 
 
 class SignSync(Sync):
@@ -51,7 +53,7 @@ class SignSync(Sync):
 class SignWindow(Window):
     def finish(self, weight, failed=False):
         lay, sync, dev = self.layout, self.sync, self.layout.devices[0]
-        comm = Comm(self.where, sync.group, sync.timeout, what="sync=SignSync()")
+        comm = self.connect(sync.group, sync.timeout, what="sync=SignSync()")
         desc = [f"{p} {tuple(s)} {d}" for p, s, d in zip(lay.paths, lay.shapes, lay.dtypes)]
         comm.agree(comm.probe((*desc, f"compress={sync.compress}"), dev))
         total = comm.settle(comm.exchange(dev, weight, failed), self.spec.reduction, failed)

@@ -28,13 +28,18 @@ class AccumState(NamedTuple, Generic[T]):
         weight: The total weight added in this window: rows (``mean``, ``sum``) or counts
             (``count``); a number, or a 0-dim tensor when counts are tensors.
         micro_step: How many micro-batches this window holds so far.
-        window: How many windows were finalized before this one.
+        window: How many windows were finalized (or aborted) before this one: the window's
+            index, which a sync checks to be the same on every rank.
         layout: Static description of the gradient tree (structure, shapes, dtypes).
         reduce_state: The state of a [`custom_reduce()`][gradaccum.custom_reduce] sync between
             windows (e.g. error-feedback buffers), ``None`` for other syncs; it is saved by
             [`state_dict()`][gradaccum.Accumulator.state_dict].
         ticket: Internal: marks which state of a window is the current one, so that a consumed
             state is refused (see [`Accumulator`][gradaccum.Accumulator]); ``None`` without sums.
+        metrics: The window's running metric sums (``add(..., metrics=...)``): a dict, sorted by
+            name, of 0-dim float64 tensors on the gradients' device; ``None`` without metrics.
+            Before a window's first micro-batch, zeros with the previous window's names (what
+            an empty window sends).
 
     Examples:
         >>> import torch, gradaccum
@@ -51,6 +56,7 @@ class AccumState(NamedTuple, Generic[T]):
     layout: Any
     reduce_state: Any = None
     ticket: Any = None
+    metrics: Any = None
 
 
 def check_live(where: str, state: AccumState[Any]) -> None:

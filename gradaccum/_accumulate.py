@@ -183,6 +183,7 @@ def accumulate(
     kind: Sync = sync if sync is not None else LOCAL
     argnum = argnums if isinstance(argnums, int) else None
     seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
+    opened = [0]  # windows opened (failed ones too): the next window's index, on every rank
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
@@ -196,11 +197,18 @@ def accumulate(
         aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
         win = _engine.Progress()
         spec, prev = None, seen[0] if seen else None
+        on_fast = fast is not None  # the same on every rank: ready() order can be agreed on
+        index = 0
+        if not torch.compiler.is_compiling():  # traced, the count would recompile every call
+            index = opened[0]
+            opened[0] += 1
         try:
             lay = kind.layout(call, target, accum_dtype, argnums)
             _check_not_empty(call, lay, target, argnums)
             seen[:] = [lay]
-            spec = WindowSpec(call, lay, reduction, n, False, kind.state, target)
+            spec = WindowSpec(
+                call, lay, reduction, n, False, kind.state, target, fast=on_fast, index=index
+            )
             win.state = AccumState(None, 0, 0, 0, lay)
             win.opening = True
             win.window = kind.open(spec)
@@ -224,7 +232,9 @@ def accumulate(
             )
         except Exception:  # join the boundary flagged as failed (see _engine.abort)
             if spec is None and prev is not None:
-                spec = WindowSpec(call, prev, reduction, n, False, kind.state, target)
+                spec = WindowSpec(
+                    call, prev, reduction, n, False, kind.state, target, fast=on_fast, index=index
+                )
             _engine.abort(win, kind, spec)
             raise
         # The boundary: the one place that communicates (with sync=).

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ._buckets import TAIL, Bucket, Plan, bucket_of, make_plan
-from ._comm import Check, Comm, Probe, bucket_what, check_options, fill_tail, positive
+from ._buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
+from ._comm import Check, Probe, bucket_what, check_options, fill_tail, positive
 from ._errors import describe, is_broken, is_mesh
 from ._layout import make_layout
 from ._mesh import axis, check_group
@@ -42,11 +42,15 @@ class AllReduce(Sync):
     timeout: float | None = None
     overlap: bool = True
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
+    _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
         """The buckets the boundary would all-reduce for gradients shaped like ``params``.
 
-        A dry run: nothing is communicated and torch.distributed need not be initialised.
+        A dry run: nothing is communicated and torch.distributed need not be initialised. After
+        a window on the fast path with ``overlap``, the buckets are those of the next window:
+        in the order the gradients became final (see [`all_reduce()`][gradaccum.all_reduce]).
 
         Args:
             params: The params pytree (the gradients' shape).
@@ -85,7 +89,12 @@ class BucketWindow(Window):
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
         super().__init__(spec)
         self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
+        # The first fast window with overlap records the order the sums become final; at its
+        # boundary the ranks agree on it and the next windows' buckets follow it.
+        self.reorder = sync.overlap and spec.fast and spec.layout not in sync._ordered
+        self.seen: list[int] = []
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
+        self.extra = len(spec.metrics)  # the tail bucket's metric sums, after [weight, failed]
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.opened = False
@@ -97,7 +106,8 @@ class BucketWindow(Window):
         lay, plan = self.layout, self.plan
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
         for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
-            buf = (torch.zeros if zero else torch.empty)(b.numel, dtype=b.dtype, device=b.device)
+            size = b.numel + self.extra * b.tail
+            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
             for i, off in zip(members, offsets):
                 views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return views
@@ -107,15 +117,19 @@ class BucketWindow(Window):
         if self.opened:
             return
         self.opened = True
-        self.comm = Comm(self.where, self.sync.group, self.sync.timeout, self.sync.check)
+        self.comm = self.connect(self.sync.group, self.sync.timeout, self.sync.check)
         if self.sums is None:  # an empty window still joins, with zero weight
             self.sums = self.storage(zero=True)
         plan, sums = self.plan, self.sums
-        extra = (f"n={self.spec.n} micro-batches per window",) if self.spec.agree_n else ()
+        extra: tuple[str, ...] = ()
+        if self.spec.agree_n:
+            extra = (f"n={self.spec.n} micro-batches per window",)
+        if self.reorder:
+            extra += ("the bucket order is agreed at this boundary",)
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
         self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, b)
+            bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
             for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
         ]
         self.remaining = [len(m) for m in plan.members]
@@ -123,6 +137,8 @@ class BucketWindow(Window):
 
     def ready(self, i: int) -> None:
         """Leaf ``i``'s sum is final: launch every bucket that is now ready, in order."""
+        if self.reorder:
+            self.seen.append(i)
         k = self.bucket_of_leaf[i]
         self.remaining[k] -= 1
         if self.remaining[k] == 0:
@@ -150,14 +166,15 @@ class BucketWindow(Window):
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
-                    buf = self.bufs[k] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                    size = b.numel + self.extra * b.tail
+                    buf = self.bufs[k] = torch.empty(size, dtype=b.dtype, device=b.device)
                     for i, off in zip(plan.members[k], plan.offsets[k]):
                         buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
                     packed.append((k, buf))
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
-            tail = tail_buf[-TAIL:]
-            fill_tail(tail, weight, failed)
+            tail = tail_buf[-TAIL - self.extra :]
+            fill_tail(tail, weight, failed, self.metrics)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):
@@ -165,8 +182,35 @@ class BucketWindow(Window):
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
-            total = self.comm.settle(tail.tolist(), self.spec.reduction, failed)
+            summed = tail.tolist()
+            total = self.comm.settle(summed, self.spec.reduction, failed)
+            self.totals = (total, summed[TAIL:])
+            if self.reorder and not failed:
+                self._agree_order()
         return self.normalised(total)
+
+    def _agree_order(self) -> None:
+        """Re-plan the buckets in the order the sums became final, agreed over the ranks.
+
+        Each rank sends each leaf's position in its own order (the leaves without a gradient
+        last); the ranks sort the leaves by the summed positions, ties in key-path order, so all
+        of them get the same plan. One all-reduce of one number per leaf, once per layout (none
+        in a group of one).
+        """
+        lay, sync = self.layout, self.sync
+        pos = [float(len(lay.paths))] * len(lay.paths)
+        for p, i in enumerate(self.seen):
+            pos[i] = float(p)
+        agreed = pos
+        if self.comm.world > 1:
+            sums = torch.tensor(pos, dtype=torch.float64, device=self.plan.buckets[0].device)
+            what = "the bucket order all_reduce"
+            self.comm.wait(self.comm.all_reduce(sums, what, "bucket order"), what)
+            agreed = sums.tolist()
+        rank = {i: r for r, i in enumerate(leaf_order(lay.paths))}
+        order = sorted(rank, key=lambda i: (agreed[i], rank[i]))
+        sync._plans[lay] = make_plan(lay, int(sync.bucket_mb * 2**20), order)
+        sync._ordered.add(lay)
 
     def abort(self, weight: Any) -> None:
         """Join the boundary flagged as failed, unless a collective of the group failed."""
@@ -190,10 +234,17 @@ def all_reduce(
     summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
     place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
     bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
-    tokens per rank, and a rank with an empty window contributes zero weight.
+    tokens per rank, and a rank with an empty window contributes zero weight. The metrics of
+    [`Accumulator.add()`][gradaccum.Accumulator.add] travel there too.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
-    ``layers.9``), the same on every rank ([how](../sync.md#what-gradaccum-does-instead)).
+    ``layers.9``), the same on every rank. With ``overlap`` and a step function made by
+    [`grad()`][gradaccum.grad] (or a ``torch.func`` one), the first window also records the order
+    in which the gradients become final during the last backward; at its boundary the ranks
+    agree on that order (one all-reduce of one number per leaf, once per gradient layout) and
+    the later windows fill their buckets in it, as DDP rebuilds its buckets after the first
+    iteration, so that the first bucket's all-reduce starts early in the backward
+    ([how](../sync.md#what-gradaccum-does-instead)).
 
     Args:
         group: The process group, or a 1-D ``DeviceMesh`` (its group); ``None`` for the
@@ -202,11 +253,13 @@ def all_reduce(
             ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
             buckets mean fewer collectives; more buckets, more overlap.
         check: ``"fingerprint"`` (default): in every window, before its first bucket, the
-            ranks exchange a fingerprint of their key paths, shapes, dtypes, reduction and
-            buckets (one 16-byte all-reduce); a mismatch raises
-            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference,
-            before any gradient is sent. ``"full"`` also compares the whole descriptions (a
-            debug mode); ``"never"`` skips it ([why](../sync.md#mismatched-gradient-trees)).
+            ranks exchange a fingerprint of their window index, key paths, shapes, dtypes,
+            reduction, buckets and metric names (one 16-byte all-reduce); a mismatch raises
+            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference
+            (ranks at [different windows](../sync.md#ranks-at-different-windows) get a message
+            of their own), before any gradient is sent. ``"full"`` also compares the whole
+            descriptions (a debug mode); ``"never"`` skips it, and then nothing is checked:
+            neither the trees nor the windows ([why](../sync.md#mismatched-gradient-trees)).
         timeout: Seconds after which each of the sync's collectives fails (the timeout is set
             on the collective itself, so every backend and kind enforces it), raising
             [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's

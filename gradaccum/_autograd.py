@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
+from pathlib import PurePath
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -12,7 +15,14 @@ from . import _tree
 from ._errors import describe, dtype_name
 from ._layout import make_layout
 
-__all__ = ["GradFn", "from_torch_func", "grad", "grad_and_value"]
+__all__ = [
+    "CheckpointGuard",
+    "GradFn",
+    "explain_checkpoint",
+    "from_torch_func",
+    "grad",
+    "grad_and_value",
+]
 
 
 class GradFn:
@@ -57,7 +67,10 @@ class GradFn:
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:
-            grads = torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+            with CheckpointGuard(where, leaves, (new_args, kwargs)):
+                grads = torch.autograd.grad(
+                    value, leaves, allow_unused=True, materialize_grads=True
+                )
         else:  # the output does not depend on the params: their gradient is zero
             grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
         tree = _tree.unflatten(spec, grads)
@@ -156,6 +169,9 @@ def grad(
     Raises:
         TypeError: (when called) ``fn`` does not return a scalar floating tensor, or a params
             leaf is not a floating tensor.
+        ValueError: (when called) ``fn`` uses activation checkpointing that this backward would
+            get wrong: reentrant (``use_reentrant=True``), or a recompute that reads other
+            weights than the params given (see the Activation checkpointing page).
 
     Examples:
         >>> import torch, gradaccum
@@ -188,6 +204,7 @@ def grad_and_value(
 
     Raises:
         TypeError: As in [`grad()`][gradaccum.grad].
+        ValueError: As in [`grad()`][gradaccum.grad].
 
     Examples:
         >>> import torch, gradaccum
@@ -267,3 +284,102 @@ def _check_has_aux(name: str, has_aux: object) -> bool:
             f"pass has_aux=True if fn returns (loss, aux), else has_aux=False."
         )
     return has_aux
+
+
+# -- activation checkpointing (docs/checkpointing.md) -----------------------------------------
+
+# torch's error when a reentrant checkpoint meets torch.autograd.grad or backward(inputs=...).
+_REENTRANT = re.compile(r"(not compatible|incompatible) with \.grad\(\)")
+# torch.func's errors for a checkpoint (saved tensor hooks; reentrant's autograd.Function).
+_FUNC_ERRORS = ("don't yet support saved tensor hooks", "must override the setup_context")
+_CHECKPOINT_PY = ("torch", "utils", "checkpoint.py")
+_NON_REENTRANT = (
+    "pass use_reentrant=False to torch.utils.checkpoint.checkpoint (or checkpoint_sequential), "
+    "which gradaccum supports, selective checkpointing (context_fn=) included"
+)
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Two tensors with the same key are the same memory; None for one without storage."""
+    try:
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    except RuntimeError:  # a tensor subclass without storage (e.g. a DTensor): not checked
+        return None
+
+
+# The running backward's id (-1 outside one), as torch.utils.checkpoint reads it; without it
+# (another torch), every module run while the guard is on is checked.
+_graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
+class CheckpointGuard:
+    """Around a backward of ``leaves``: refuse what activation checkpointing would get wrong."""
+
+    # A non-reentrant checkpoint recomputes its block during the backward, after functional_call
+    # has returned, so the block reads the module's own parameters: each module run then must
+    # hold the tensors of the leaves or of the call's args, or the gradient would silently use
+    # other weights. A reentrant checkpoint refuses inputs=: its error is replaced by the fix.
+
+    def __init__(self, where: str, leaves: Sequence[torch.Tensor], args: Any) -> None:
+        self.where, self.leaves, self.args = where, leaves, args
+        self.keys: set[tuple[Any, ...] | None] | None = None  # built at the first recompute
+
+    def __enter__(self) -> None:
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.handle.remove()
+        if isinstance(err, RuntimeError) and _REENTRANT.search(str(err)):
+            raise ValueError(
+                f"{self.where}: the loss function uses torch.utils.checkpoint with "
+                f"use_reentrant=True, which cannot run under gradaccum's backward: it refuses "
+                f"torch.autograd.grad and backward(inputs=...), and under functional_call its "
+                f"recomputation would differentiate the module's own parameters; "
+                f"{_NON_REENTRANT}."
+            ) from err
+
+    def _check(self, module: torch.nn.Module, _inputs: Any) -> None:
+        if _graph_task() == -1:  # not inside a backward: another thread's forward
+            return
+        if self.keys is None:
+            flat, _ = _tree.flatten(self.args)
+            tensors = [*self.leaves, *(t for t in flat if isinstance(t, torch.Tensor))]
+            self.keys = {_key(t) for t in tensors}
+        for name, p in module._parameters.items():
+            key = _key(p) if p is not None and p.requires_grad else None
+            if key is not None and key not in self.keys:
+                raise ValueError(
+                    f"{self.where}: activation checkpointing recomputed a "
+                    f"{type(module).__name__} during the backward, which read its own parameter "
+                    f"{name!r} ({describe(p)}), not the params passed in: the recomputation runs "
+                    f"after torch.func.functional_call has returned, so the gradient would use "
+                    f"other weights than the forward did. Pass params that share storage with "
+                    f"the module's (gradaccum.params_of(model), stepped in place by a "
+                    f"torch.optim optimizer), or pass them into the checkpointed function: "
+                    f"checkpoint(lambda h, p: functional_call(block, p, (h,)), h, "
+                    f"dict(block.named_parameters()), use_reentrant=False); set "
+                    f"requires_grad=False on a module parameter that is not trained."
+                )
+
+
+def explain_checkpoint(where: str, err: BaseException) -> ValueError | None:
+    """A clear error for torch.func over activation checkpointing, or None for any other."""
+    msg = str(err)
+    if not isinstance(err, RuntimeError) or not any(m in msg for m in _FUNC_ERRORS):
+        return None
+    tb = err.__traceback__
+    while tb is not None:
+        if PurePath(tb.tb_frame.f_code.co_filename).parts[-3:] == _CHECKPOINT_PY:
+            first = msg.strip().splitlines()[0]
+            return ValueError(
+                f"{where}: step_fn runs a torch.func transform (torch.func.grad, vjp, vmap) "
+                f"over activation checkpointing (torch.utils.checkpoint), which torch.func does "
+                f"not support ({first}). Pass the function torch.func.grad / grad_and_value "
+                f"returned to accumulate as it is (not wrapped, and without micro_transform), "
+                f"or gradaccum.grad(loss_fn): both run on torch.autograd, where checkpointing "
+                f"works with use_reentrant=False; or drop the checkpointing."
+            )
+        tb = tb.tb_next
+    return None

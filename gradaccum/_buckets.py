@@ -1,7 +1,8 @@
 """Flat gradient buckets: which leaves go in which bucket, at which offset (no communication).
 
 Leaves are grouped by (device, accumulation dtype) in reverse natural order of their key paths
-(the order backward produces them; the same on every rank) and added to a bucket until it holds
+(the usual backward order; the same on every rank), or in an order the ranks agreed on (the order
+their gradients became final, as DDP rebuilds its buckets), and added to a bucket until it holds
 at least ``bucket_mb`` (1 MiB for the first bucket, so that with overlap the first all-reduce
 starts early), as DDP does; a leaf is never split, so a bucket may exceed its limit by its last
 leaf. The last bucket of the widest dtype carries a two-element tail: the window's weight and a
@@ -98,10 +99,13 @@ def starts(lay: Any, idx: list[int]) -> tuple[int, ...]:
     return (0, *accumulate(lay.shapes[i].numel() for i in idx))
 
 
-def make_plan(lay: Any, cap: int) -> Plan:
-    """Group leaves by (device, dtype), then fill buckets as the module docstring says."""
+def make_plan(lay: Any, cap: int, order: list[int] | None = None) -> Plan:
+    """Group leaves by (device, dtype), then fill buckets as the module docstring says.
+
+    ``order``: the leaves in the order to fill the buckets (default: ``leaf_order``).
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in leaf_order(lay.paths):
+    for i in leaf_order(lay.paths) if order is None else order:
         groups.setdefault((lay.devices[i], lay.accum_dtypes[i]), []).append(i)
     cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
     for (dev, dt), idx in groups.items():
@@ -122,6 +126,8 @@ def make_plan(lay: Any, cap: int) -> Plan:
         for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
     ]
     desc.append(f"{len(lay.paths)} params leaves")
+    if order is not None:
+        desc.append("buckets in the agreed gradient-ready order")
     for k, (dev, dt, idx) in enumerate(cut):
         *offs, off = starts(lay, idx)
         total = off + (TAIL if k == tail_k else 0)
@@ -137,13 +143,17 @@ def make_plan(lay: Any, cap: int) -> Plan:
 
 
 def bucket_of(
-    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket, numel: int | None = None
 ) -> torch.Tensor | None:
-    """The flat bucket the leaves are views of (zero-copy), or None if they are not."""
+    """The flat bucket the leaves are views of (zero-copy), or None if they are not.
+
+    ``numel``: the bucket's size, if not ``b.numel`` (a tail bucket with metrics is longer).
+    """
     if not leaves:
         return None
     base = leaves[0]._base
-    if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
+    size = b.numel if numel is None else numel
+    if base is None or base.dim() != 1 or base.numel() != size or base.dtype != b.dtype:
         return None
     start, item = base.data_ptr(), base.element_size()
     for leaf, off in zip(leaves, offsets):

@@ -40,6 +40,9 @@ def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:
         "reduce_state": _tree.map_(
             lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state.reduce_state
         ),
+        "metrics": None
+        if state.metrics is None
+        else {k: v.clone() for k, v in state.metrics.items()},
     }
 
 

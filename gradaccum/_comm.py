@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from ._errors import GradAccumError, describe, mark_broken
+from ._buckets import TAIL
+from ._errors import GradAccumError, describe, mark_broken, misaligned
 from ._mesh import Axis, axis
 from ._record import record
 
@@ -60,6 +61,7 @@ def all_reduce(
 
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
+WINDOW = "window index "  # the first line of a window's description: the window's index
 Check = Literal["fingerprint", "full", "never"]
 CHECKS = ("fingerprint", "full", "never")
 
@@ -119,6 +121,10 @@ class Comm:
         check: ``"fingerprint"``, ``"full"`` or ``"never"``, as in
             [`all_reduce()`][gradaccum.all_reduce].
         what: How the sync calls itself when torch.distributed is missing.
+        window: The [`Window`][gradaccum.sync.Window] whose boundary this is, or ``None``;
+            [`Window.connect()`][gradaccum.sync.Window.connect] passes it. Its fingerprint then
+            covers the window's index and metric names, and
+            [`exchange()`][gradaccum.sync.Comm.exchange] carries its metric sums.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -145,8 +151,9 @@ class Comm:
         timeout: float | None = None,
         check: str = "fingerprint",
         what: str = "sync=all_reduce()",
+        window: Any = None,
     ) -> None:
-        self.where, self.timeout, self.check = where, timeout, check
+        self.where, self.timeout, self.check, self.window = where, timeout, check, window
         group, self.dim = group if isinstance(group, Axis) else axis(where, group)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -223,14 +230,25 @@ class Comm:
             f"group cannot be reused: destroy it and restart from a checkpoint."
         )
 
+    def lines(self, desc: tuple[str, ...]) -> tuple[str, ...]:
+        """``desc`` after the lines of the window's index and metric names (if bound to one)."""
+        if self.window is None:
+            return desc
+        spec = self.window.spec
+        names = (f"metrics {list(spec.metrics)}",) if spec.metrics else ()
+        return (f"{WINDOW}{spec.index}", *names, *desc)
+
     def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
 
-        ``None`` with ``check="never"``. Wait for it with [`agree()`][gradaccum.sync.Comm.agree]
-        before any collective whose size depends on what ``desc`` describes.
+        ``desc`` describes what the collectives depend on, one line per item; the window's index
+        and metric names come first (for a ``Comm`` made by ``Window.connect``). ``None`` with
+        ``check="never"``. Wait for it with [`agree()`][gradaccum.sync.Comm.agree] before any
+        collective whose size depends on what ``desc`` describes.
         """
         if self.check == "never":
             return None
+        desc = self.lines(desc)
         digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
         h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
         tensor = torch.tensor([h, -h], dtype=torch.int64, device=device)
@@ -250,14 +268,26 @@ class Comm:
         hi, neg_lo = probe.tensor.tolist()
         if hi == -neg_lo and self.check != "full":
             return
+        self.compare(probe.desc, subject)
+
+    def compare(self, desc: tuple[str, ...], subject: str = "gradients to synchronise") -> None:
+        """Gather every rank's ``desc``; if any differs, raise naming the first difference.
+
+        A collective: every rank of the group calls it. Ranks at different windows (the first
+        line of a window's ``desc``) get a message of their own, whatever else differs.
+        """
         gathered: list[Any] = [None] * self.world
         record("all_gather_object", self.group, torch.uint8, 0, "fingerprint", self.dim)
-        dist.all_gather_object(gathered, probe.desc, group=self.group)
+        dist.all_gather_object(gathered, desc, group=self.group)
+        at = [_window_of(d) for d in gathered]
+        if None not in at and len(set(at)) > 1:
+            mark_broken(self.group)
+            raise GradAccumError(misaligned(self.where, self.rank, at))
         diffs = []
         for r, other in enumerate(gathered):
-            if r == self.rank or other == probe.desc:
+            if r == self.rank or other == desc:
                 continue
-            mine, theirs = first_diff(probe.desc, other)
+            mine, theirs = first_diff(desc, other)
             diffs.append(f"rank {self.rank} has {mine} but rank {r} has {theirs}")
         if not diffs:
             return
@@ -276,11 +306,19 @@ class Comm:
     def exchange(
         self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
     ) -> list[float]:
-        """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums."""
-        tail = torch.tensor([0.0, 0.0, *extra], dtype=torch.float64, device=device)
-        fill_tail(tail, weight, failed)
+        """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums.
+
+        Bound to a window (``Window.connect``), the window's metric sums travel in the same
+        all-reduce, and their totals over the ranks go to ``window.totals``.
+        """
+        m = len(self.window.spec.metrics) if self.window is not None else 0
+        tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
+        fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
-        return list(tail.tolist())
+        out = list(tail.tolist())
+        if self.window is not None:
+            self.window.totals = (out[0], out[TAIL : TAIL + m])
+        return out[:TAIL] + out[TAIL + m :]
 
     def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
         """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.
@@ -320,13 +358,26 @@ def bucket_what(kind: str, buckets: Any, k: int, noun: str = "bucket") -> str:
     )
 
 
-def fill_tail(tail: torch.Tensor, weight: Any, failed: bool) -> None:
-    """Write ``[weight, failed]`` into the first two elements of ``tail`` (no host sync)."""
+def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) -> None:
+    """Write ``[weight, failed, *metrics]`` into ``tail`` (no host sync); zeros for the rest."""
     if isinstance(weight, torch.Tensor):
         tail[:1].copy_(weight.reshape(1))
     else:
         tail[0] = weight
     tail[1] = 1.0 if failed else 0.0
+    if len(tail) > TAIL:  # the window's metric sums (zeros for those not given: a failed rank)
+        rest = tail[TAIL:]
+        rest.zero_()
+        if metrics:
+            rest[: len(metrics)].copy_(torch.stack(list(metrics)))
+
+
+def _window_of(desc: Any) -> int | None:
+    """The window index in a gathered description (its first line), or None."""
+    line = desc[0] if isinstance(desc, (tuple, list)) and desc else None
+    if isinstance(line, str) and line.startswith(WINDOW) and line[len(WINDOW) :].isdigit():
+        return int(line[len(WINDOW) :])
+    return None
 
 
 def group_name(group: Any) -> str:

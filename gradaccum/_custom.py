@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import _reduce, _tree
 from ._buckets import make_plan
-from ._comm import Comm, check_timeout, settle
+from ._comm import check_timeout, settle
 from ._errors import GradAccumError, describe, is_broken
 from ._mesh import axis
 from ._window import Sync, Window, WindowSpec
@@ -49,7 +49,9 @@ class CustomReduce(Sync):
     timeout: float | None = None
     name: str = "custom_reduce"
     _state: list[Any] = field(default_factory=lambda: [None], init=False, repr=False)
-    _hashes: dict[Any, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _hashes: dict[Any, tuple[int, tuple[str, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def state(self) -> Any:
@@ -70,15 +72,25 @@ class CustomReduce(Sync):
         """A window of plain running sums, reduced by ``fn`` at the boundary."""
         return CustomWindow(self, spec)
 
-    def _hash(self, spec: WindowSpec) -> int:
-        """A 20-bit hash of the gradient tree, reduction, function and (Accumulator) ``n``."""
-        key = (spec.layout, spec.reduction, spec.n if spec.agree_n else None)
-        h = self._hashes.get(key)
-        if h is None:
-            desc = (*make_plan(spec.layout, 1).description, *map(str, key[1:]), self.name)
-            digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
-            h = self._hashes[key] = int.from_bytes(digest, "little") % 2**20 + 1
-        return h
+    def _hash(self, spec: WindowSpec) -> tuple[int, tuple[str, ...]]:
+        """A 20-bit hash of the window (its index, metrics, tree, reduction, function, n).
+
+        Also the description it hashes, without the lines of the index and metrics.
+        """
+        key = (spec.layout, spec.reduction, spec.n if spec.agree_n else None, spec.metrics)
+        cached = self._hashes.get(key)
+        if cached is None:
+            desc = (
+                *make_plan(spec.layout, 1).description,
+                f"reduction={spec.reduction!r}",
+                *((f"n={spec.n} micro-batches per window",) if spec.agree_n else ()),
+                f"reduction function {self.name}",
+            )
+            full = (f"metrics {list(spec.metrics)}", *desc)
+            digest = hashlib.blake2b("\n".join(full).encode(), digest_size=8).digest()
+            cached = self._hashes[key] = (int.from_bytes(digest, "little"), desc)
+        h, desc = cached
+        return (h + spec.index) % 2**20 + 1, desc  # consecutive windows never share a hash
 
 
 class CustomWindow(Window):
@@ -91,9 +103,11 @@ class CustomWindow(Window):
     def finish(self, weight: Any, failed: bool = False) -> Any:
         """Sum the weight (and check the tree) over the group, take the share, apply ``fn``.
 
-        The one collective is an all-reduce of ``[weight, failed, h, h**2]`` (float64, 32
-        bytes): every rank has the same 20-bit hash ``h`` of its gradient tree, reduction and
-        function exactly when ``world * sum(h**2) == sum(h)**2`` (exact in float64).
+        The one collective is an all-reduce of ``[weight, failed, *metrics, h, h**2]`` (float64,
+        32 bytes without metrics): every rank has the same 20-bit hash ``h`` of its window index,
+        metric names, gradient tree, reduction and function exactly when
+        ``world * sum(h**2) == sum(h)**2`` (exact in float64); if not, the ranks compare their
+        descriptions to name the difference.
         """
         sync, lay, where, reduction = self.sync, self.layout, self.where, self.spec.reduction
         group, world = None, 1
@@ -101,17 +115,20 @@ class CustomWindow(Window):
             if failed:  # one process: nobody to tell; fn and its state stay untouched
                 return None
             total, agree = float(weight), True
+            self.totals = (total, list(self.metrics))
         else:  # the group is first needed here (not at open: add() runs without it)
-            comm = Comm(where, sync.group, sync.timeout, what=f"sync={sync.name}")
+            comm = self.connect(sync.group, sync.timeout, what=f"sync={sync.name}")
             group, world = comm.group, comm.world
-            h = float(sync._hash(self.spec))
+            h, desc = sync._hash(self.spec)
             dev = lay.devices[0] if lay.devices else torch.device("cpu")
-            tail = comm.exchange(dev, weight, failed, (h, h * h))
+            tail = comm.exchange(dev, weight, failed, (float(h), float(h) * h))
             if failed:
                 return None
             if tail[1]:
                 comm.settle(tail, reduction)  # raises: another rank failed
             total, agree = tail[0], world * tail[3] == tail[2] * tail[2]
+            if not agree:  # every rank is here: name the difference (raises if one is found)
+                comm.compare(comm.lines(desc), f"gradients to reduce with {sync.name}")
         if not agree:
             raise GradAccumError(
                 f"{where}: the ranks disagree on the gradients to reduce with {sync.name} (their "
@@ -161,8 +178,10 @@ def custom_reduce(
 
     Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
     [`Accumulator`][gradaccum.Accumulator]. At the boundary gradaccum sums the window's weight
-    (rows or counts), a failure flag and a hash of the gradient tree over the group in one
-    32-byte ``all_reduce``, divides this rank's running sums by the global weight, and calls
+    (rows or counts), a failure flag and a hash of the gradient tree and window index over the
+    group in one 32-byte ``all_reduce`` (8 bytes more per metric of
+    [`Accumulator.add()`][gradaccum.Accumulator.add]), divides this rank's running sums by the
+    global weight, and calls
 
     ``fn(grads, state, group) -> (summed_grads, new_state)``
 

@@ -76,7 +76,9 @@ def dcp_save(
     if accumulator is not None:
         sd = accumulator.state_dict(state)
         w = sd["weight"]
+        metrics = sd.get("metrics") or {}  # the window's metric sums ride with the counters
         counters = [float(w), float(isinstance(w, torch.Tensor)), sd["micro_step"], sd["steps"]]
+        counters += [float(v) for v in metrics.values()]
         mid = sd["full"] is not None
         bufs = [*(sd["full"] or []), *(sd["out"] or [])]
         out["accumulator"] = {
@@ -84,6 +86,7 @@ def dcp_save(
                 {
                     **{k: sd[k] for k in ("format", "reduction", "policies", "accum_dtypes")},
                     "window": sd["window"],
+                    "metrics": list(metrics),
                     "world": list(mesh.shape),
                     "mid_window": mid,
                     "buffers": [None if b is None else [str(b.dtype), b.numel()] for b in bufs],
@@ -160,10 +163,11 @@ def dcp_load(
         state_dict_loader.load({"train": ckpt}, checkpoint_id=checkpoint_id)
     if accumulator is None:
         return None
-    fresh = accumulator.init(sharded)
+    names = meta.get("metrics", [])
+    fresh = accumulator.init(sharded, metrics=names)
     if not meta.get("mid_window"):
         return fresh._replace(window=meta["window"])
-    counters = _per_rank(mesh, torch.zeros(4, dtype=torch.float64))
+    counters = _per_rank(mesh, torch.zeros(4 + len(names), dtype=torch.float64))
     bufs = {
         f"b{i}": _per_rank(mesh, torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch."))))
         for i, spec in enumerate(meta["buffers"])
@@ -172,7 +176,7 @@ def dcp_load(
     }
     body = {"accumulator": {"counters": counters, "buffers": bufs}}
     state_dict_loader.load(body, checkpoint_id=checkpoint_id)
-    weight, is_tensor, micro_step, steps = counters.to_local().reshape(-1).tolist()
+    weight, is_tensor, micro_step, steps, *sums = counters.to_local().reshape(-1).tolist()
     flat = [
         None if spec is None else bufs[f"b{i}"].to_local().reshape(-1)
         for i, spec in enumerate(meta["buffers"])
@@ -188,6 +192,9 @@ def dcp_load(
         "steps": int(steps),
         "full": flat[: meta["full"]],
         "out": flat[meta["full"] :],
+        "metrics": {k: torch.tensor(v, dtype=torch.float64) for k, v in zip(names, sums)}
+        if names
+        else None,
     }
     return accumulator.load_state_dict(fresh, sd)
 

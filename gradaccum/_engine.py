@@ -16,7 +16,7 @@ import torch
 
 from . import _reduce
 from ._accum_state import AccumState
-from ._autograd import GradFn
+from ._autograd import CheckpointGuard, GradFn, explain_checkpoint
 from ._errors import describe
 from ._layout import check_grads, weigh
 from ._window import Sync, Window, WindowSpec
@@ -66,7 +66,13 @@ def run(
     given = args[argnum] if argnum is not None else None
     for j, (mb, rows) in enumerate(micro):
         cur = _with_params(args, argnum, window.params(j, given), given)
-        out = step_fn(*cur[:batch_argnum], mb, *cur[batch_argnum + 1 :], **kwargs)
+        try:
+            out = step_fn(*cur[:batch_argnum], mb, *cur[batch_argnum + 1 :], **kwargs)
+        except RuntimeError as err:  # torch.func over torch.utils.checkpoint: say the fix
+            clear = explain_checkpoint(call, err)
+            if clear is None:
+                raise
+            raise clear from err
         grads, aux = _unpack(call, out) if has_aux else (out, None)
         if micro_transform is not None:
             grads = micro_transform(grads)
@@ -179,7 +185,8 @@ def _fast(
                     seed = seeds[key]
                 else:
                     alpha_now[0] = scale
-                torch.autograd.backward(value, seed, inputs=leaves)
+                with CheckpointGuard(call, leaves, (new_args, kwargs)):
+                    torch.autograd.backward(value, seed, inputs=leaves)
             if j == 0:
                 for h in first:
                     h.remove()

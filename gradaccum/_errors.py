@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor", "is_mesh"]
+__all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor", "is_mesh", "misaligned"]
 
 
 class GradAccumError(RuntimeError):
@@ -33,6 +33,24 @@ def describe(value: Any) -> str:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return f"{type(value).__name__} {value!r}"
     return type(value).__name__
+
+
+def misaligned(where: str, rank: int, at: list[Any]) -> str:
+    """The message for ranks at different windows (``at``: each rank's window index)."""
+    mine, others = at[rank], sorted({w for w in at if w != at[rank]})
+    ranks = [", ".join(str(r) for r, w in enumerate(at) if w == o) for o in others]
+    them = "; ".join(
+        f"rank{'s' if ',' in r else ''} {r} at window {o}" for r, o in zip(ranks, others)
+    )
+    return (
+        f"{where}: the ranks are at different windows: rank {rank} is at window {mine} but "
+        f"{them}. Their data or their calls got out of step (e.g. loaders of different lengths, "
+        f"or an epoch that ended early on one rank), so this boundary would combine gradients of "
+        f"different windows; nothing was reduced. Every rank must run the same number of "
+        f"windows: call each accumulated function (or finalize) as often on every rank, let "
+        f"gradaccum.loop.windows(...) pad a short loader with empty windows, and restore "
+        f"Accumulator states from the same checkpoint on every rank."
+    )
 
 
 def is_dtensor(value: Any) -> bool:

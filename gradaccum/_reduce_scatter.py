@@ -18,6 +18,7 @@ from ._checkpoint import check_counters, check_meta, check_progress
 from ._comm import Check, check_options
 from ._errors import GradAccumError, describe
 from ._layout import Layout, make_layout, with_accum
+from ._metrics import check_saved
 from ._scatter_window import ScatterWindow
 from ._shard import Sharded
 from ._window import Sync, Window, WindowSpec
@@ -65,7 +66,8 @@ class ReduceScatter(Sync):
 
         A dry run: nothing is communicated. The ``every`` buckets are reduced once per
         micro-batch, the ``boundary`` buckets once per window, in the accumulation dtype.
-        ``Bucket.tail`` is False: the weight travels in an all-reduce of its own (16 bytes).
+        ``Bucket.tail`` is False: the weight travels in an all-reduce of its own (16 bytes, and
+        8 more per metric of ``Accumulator.add``).
         Sharded hybrid over a 2-D mesh, each bucket's shard is then all-reduced across the
         replicate dim once per window (``Bucket.collectives`` lists both, with their dims).
 
@@ -123,6 +125,9 @@ class ReduceScatter(Sync):
             if window is None
             else [None if f is None else f.clone() for f in window.full],
             "out": None if window is None else [o.clone() for o in window.out],
+            "metrics": None
+            if state.metrics is None
+            else {k: v.clone() for k, v in state.metrics.items()},
         }
 
     def load_state_dict(
@@ -150,10 +155,12 @@ class ReduceScatter(Sync):
             raise GradAccumError(
                 f"{where}: steps is {sd['steps']}, more than the window's n={n} micro-steps{fix}"
             )
+        dev = lay.devices[0] if lay.devices else torch.device("cpu")
         if isinstance(weight, torch.Tensor):
-            weight = weight.to(lay.devices[0] if lay.devices else "cpu", copy=True)
+            weight = weight.to(dev, copy=True)
+        metrics = check_saved(where, sd.get("metrics"), dev, fix)
         if sd.get("full") is None:
-            return type(state)(None, weight, sd["micro_step"], sd["window"], lay)
+            return type(state)(None, weight, sd["micro_step"], sd["window"], lay, metrics=metrics)
         window = ScatterWindow(self, spec, verify=False)
         saved = list(sd["full"]) + list(sd["out"])
         if len(saved) != len(window.full) + len(window.out):
@@ -174,7 +181,7 @@ class ReduceScatter(Sync):
                 with torch.no_grad():
                     f.copy_(t)
         window.steps = sd["steps"]
-        return type(state)(window, weight, sd["micro_step"], sd["window"], lay)
+        return type(state)(window, weight, sd["micro_step"], sd["window"], lay, metrics=metrics)
 
 
 def reduce_scatter(

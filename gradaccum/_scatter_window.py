@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from . import _reduce
-from ._comm import Comm, bucket_what, fill_tail, settle
+from ._buckets import TAIL
+from ._comm import bucket_what, fill_tail, settle
 from ._errors import is_broken
 from ._window import Window, WindowSpec
 
@@ -46,10 +47,10 @@ class ScatterWindow(Window):
             )
         self.sync = sync
         what = "sync=reduce_scatter(...)"
-        self.comm = Comm(where, sp.axis, sync.timeout, sync.check, what)
+        self.comm = self.connect(sp.axis, sync.timeout, sync.check, what)
         # Hybrid: the replicas' group; the shards are all-reduced over it once per window.
         rep = sp.replicate_axis
-        self.rcomm = None if rep is None else Comm(where, rep, sync.timeout, sync.check, what)
+        self.rcomm = None if rep is None else self.connect(rep, sync.timeout, sync.check, what)
         self.rworks: list[tuple[Any, str]] = []
         self.given_sharded = spec.params is sp
         self.regather = self.given_sharded and sync.gather == "micro_batch"
@@ -261,8 +262,8 @@ class ScatterWindow(Window):
             self._replicate(k)
         self._launch_bound(ready_only=False)
         dev = self.plan.devices[0] if self.plan.devices else torch.device("cpu")
-        tail = torch.zeros(2, dtype=torch.float64, device=dev)
-        fill_tail(tail, weight, failed)
+        tail = torch.zeros(TAIL + len(self.spec.metrics), dtype=torch.float64, device=dev)
+        fill_tail(tail, weight, failed, self.metrics)
         tail_work = self.comm.all_reduce(tail, "the weight all_reduce", "weight")
         while self.bound_works:
             self._wait_bound()
@@ -274,9 +275,9 @@ class ScatterWindow(Window):
             self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what))
             while self.rworks:
                 self.rcomm.wait(*self.rworks.pop(0))
-        total = settle(
-            self.where, world, self.comm.rank, tail.tolist(), self.spec.reduction, failed
-        )
+        summed = tail.tolist()
+        total = settle(self.where, world, self.comm.rank, summed, self.spec.reduction, failed)
+        self.totals = (total, summed[TAIL:])
         with torch.no_grad():
             _reduce.normalise(self.spec.reduction, self.out, total)  # type: ignore[arg-type]
             return tuple(o.to(s.dtype) for o, s in zip(self.out, self.sync.sharded.shards))

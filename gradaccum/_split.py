@@ -1,12 +1,14 @@
 """Split a batch pytree into micro-batches along dim 0 (views, no copies).
 
 Tensor leaves are split, other leaves go whole to every micro-batch; uneven splits are as
-``numpy.array_split`` (docs/concepts.md, "Uneven splits").
+``numpy.array_split`` (docs/concepts.md, "Uneven splits"). A mapping that optree keeps as a leaf
+(``collections.UserDict``, transformers' ``BatchEncoding``) is split by its values and rebuilt
+with its own type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import einops
@@ -132,17 +134,46 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
     return paths, leaves, spec, rows
 
 
+def _open(tree: Any) -> Any:
+    """``tree`` with the mappings optree keeps as leaves (``UserDict``) as dicts, or ``tree``."""
+    if not any(isinstance(x, Mapping) for x in _tree.flatten(tree)[0]):
+        return tree
+    return _tree.map_(lambda x: _open(dict(x)) if isinstance(x, Mapping) else x, tree)
+
+
+def _close(where: str, like: Any, tree: Any) -> Any:
+    """``tree`` (opened like ``like`` by ``_open``) with ``like``'s mapping types put back."""
+
+    def back(x: Any, part: Any) -> Any:
+        if not isinstance(x, Mapping):
+            return part
+        try:
+            return type(x)(_close(where, dict(x), part))  # type: ignore[call-arg]
+        except Exception as err:
+            raise TypeError(
+                f"{where}: the batch holds a mapping of type {type(x).__name__}, which gradaccum "
+                f"splits by its values and rebuilds with {type(x).__name__}(dict); that raised "
+                f"{type(err).__name__}: {err}. Pass its contents as a dict (dict(batch))."
+            ) from err
+
+    return _tree.map_(back, like, tree)
+
+
 def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tuple[Any, int]]:
     """``[(micro_batch, rows), ...]`` of ``batch`` (a ``MicroBatches`` is validated, used as given).
 
     With ``short_ok`` (a data-parallel rank's short last batch), fewer than ``n`` rows give one
     micro-batch per row, and 0 rows none.
     """
+    opened = _open(batch) if not isinstance(batch, MicroBatches) else batch
+    if opened is not batch:
+        micro = split(where, opened, n, short_ok=short_ok)
+        return [(_close(where, batch, mb), rows) for mb, rows in micro]
     if isinstance(batch, MicroBatches):
         out = []
         first: Any = None
         for i, mb in enumerate(batch):
-            _, _, mb_spec, rows = _rows(f"{where} micro-batch {i}", mb)
+            _, _, mb_spec, rows = _rows(f"{where} micro-batch {i}", _open(mb))
             if rows == 0:
                 raise ValueError(
                     f"{where}: micro-batch {i} of the MicroBatches has 0 rows; a micro-batch "

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from . import _reduce, _tree
+from . import _metrics, _reduce, _tree
 from ._accum_state import AccumState, check_live, check_state, pass_on
 from ._layout import check_accum_dtype, check_grads, check_n, micro_weight
+from ._metrics import WindowStats
 from ._window import LOCAL, Sync, Window, WindowSpec, check_sync
 
 __all__ = ["Accumulator"]
@@ -32,6 +33,11 @@ class Accumulator:
     [`finalize()`][gradaccum.Accumulator.finalize] before
     [`is_complete()`][gradaccum.Accumulator.is_complete]) is weighted exactly by what it holds.
 
+    [`boundary()`][gradaccum.Accumulator.boundary] closes the window as ``finalize`` does and
+    also reports its [`WindowStats`][gradaccum.streaming.WindowStats]: the window's global weight
+    and the metrics given to ``add(..., metrics=...)`` (summed losses, token counts), summed over
+    the micro-batches and, with ``sync``, over the ranks in the same collective as the gradients.
+
     The running sums are updated in place: after ``add(state, ...)`` and ``finalize(state)``,
     use only the state they return. A state that was passed to them is consumed: ``add``,
     ``finalize`` and ``state_dict`` refuse it with a ``ValueError`` (it would otherwise change
@@ -47,8 +53,10 @@ class Accumulator:
             gradients, the gradient dtype otherwise. Gradients come out of
             [`finalize()`][gradaccum.Accumulator.finalize] in the parameters' dtype.
         sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] to synchronise
-            over a process group in [`finalize()`][gradaccum.Accumulator.finalize], the only
-            place that communicates. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
+            over a process group in [`finalize()`][gradaccum.Accumulator.finalize] (or
+            ``boundary``), the only place that communicates. Every rank must then be at the
+            same window (``state.window``): the sync checks it, with the gradient tree, before
+            any gradient is sent. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
             for sharded params: ``finalize`` then returns this rank's gradient shards, and
             under its ``every`` policy ``add`` reduce-scatters each micro-batch (every rank
             must then call ``add`` at most ``n`` times per window). Or a
@@ -88,35 +96,56 @@ class Accumulator:
         check_accum_dtype(where, self.accum_dtype)
         check_sync(where, self.sync)
 
-    def init(self, params: T) -> AccumState[T]:
+    def init(self, params: T, *, metrics: Any = ()) -> AccumState[T]:
         """An empty window for gradients shaped like ``params`` (nothing is allocated yet).
 
         Args:
             params: The pytree of floating tensors the gradients are taken with respect to
                 (with a [`reduce_scatter()`][gradaccum.reduce_scatter] sync, the
                 [`Sharded`][gradaccum.sync.Sharded] itself, or its gathered params).
+            metrics: The names of the metrics that ``add`` will be given, if a first window
+                may be empty on some rank (it then sends zeros under these names, as the other
+                ranks expect). Later empty windows send the names of the window before.
 
         Returns:
             An [`AccumState`][gradaccum.streaming.AccumState] with no micro-batch in it.
         """
         where = "Accumulator.init(params)"
-        return AccumState(None, 0, 0, 0, self._sync.layout(where, params, self.accum_dtype))
+        lay = self._sync.layout(where, params, self.accum_dtype)
+        metrics = () if metrics is None else metrics
+        if not isinstance(metrics, (tuple, list, set, frozenset)) or any(
+            not isinstance(k, str) for k in metrics
+        ):
+            raise TypeError(
+                f"{where}: metrics must be names (a tuple of str), got {metrics!r}; pass e.g. "
+                f"metrics=('loss',)."
+            )
+        sums = _metrics.zeros(sorted(metrics), _device(lay))
+        return AccumState(None, 0, 0, 0, lay, metrics=sums)
 
     @property
     def _sync(self) -> Sync:
         return self.sync if self.sync is not None else LOCAL
 
-    def _window(self, where: str, state: AccumState[T], n: int) -> Window:
+    def _window(self, where: str, state: AccumState[T], n: int, names: Any = ()) -> Window:
         """The window ``state`` is in: the live one, or one opened (and given the sums)."""
         sums = state.sums
         if isinstance(sums, Window):
             sums.at(where)
             return sums
-        spec = WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state)
-        window = self._sync.open(spec)
+        # Read while torch.compile traces add(), the index would recompile it every window.
+        index = 0 if torch.compiler.is_compiling() else state.window
+        window = self._sync.open(self._spec(where, state, n, index, names))
         if sums is not None:
             window.restore(_tree.flatten(sums)[0])
         return window
+
+    def _spec(self, where: str, state: AccumState[T], n: int, index: int, names: Any) -> WindowSpec:
+        """The spec of ``state``'s window (``n`` must agree over the ranks)."""
+        lay, reduce_state = state.layout, state.reduce_state
+        return WindowSpec(
+            where, lay, self.reduction, n, True, reduce_state, index=index, metrics=names
+        )
 
     def window_size(self, state: AccumState[T]) -> int:
         """The number of micro-batches of the current window (evaluates a schedule)."""
@@ -138,8 +167,9 @@ class Accumulator:
         *,
         size: int | None = None,
         count: int | float | torch.Tensor | None = None,
+        metrics: Mapping[str, Any] | None = None,
     ) -> AccumState[T]:
-        """Add one micro-batch's gradients to the window.
+        """Add one micro-batch's gradients (and metrics) to the window.
 
         Args:
             state: The current state (its running sums are updated in place).
@@ -148,21 +178,32 @@ class Accumulator:
             size: The micro-batch's number of rows; required for ``reduction="mean"``.
             count: The number of items the micro-batch's summed loss covers (e.g. non-padding
                 tokens); required for ``reduction="count"``.
+            metrics: Scalars to sum over the window's micro-batches and over the ranks, e.g.
+                ``{"loss": loss_sum.detach()}``: a dict from names to numbers or 0-dim tensors,
+                with the same names at every ``add`` of a window. They are added on the device,
+                without a host sync, and reduced in the boundary collective that carries the
+                window's weight (no collective of their own);
+                [`boundary()`][gradaccum.Accumulator.boundary] returns their totals.
 
         Returns:
             The new state.
 
         Raises:
-            TypeError: A gradient leaf is not a floating tensor, or ``size``/``count`` has the
-                wrong type.
-            ValueError: ``grads`` does not match ``params`` (the message names the key path), or
-                ``size``/``count`` is missing or out of range.
+            TypeError: A gradient leaf is not a floating tensor, ``size``/``count`` has the
+                wrong type, or a metric is not a real number or 0-dim tensor.
+            ValueError: ``grads`` does not match ``params`` (the message names the key path),
+                ``size``/``count`` is missing or out of range, a metric is a tensor of more
+                than one element, or the metrics' names differ from the window's earlier ones.
         """
         where = "Accumulator.add(state, grads)"
         check_state(where, state)
         check_live(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
-        window = self._window(where, state, self.window_size(state))
+        first = state.micro_step == 0
+        names = state.metrics  # metrics=None and none so far: nothing to do per micro-batch
+        if metrics is not None or names is not None:
+            names = _metrics.check(where, state.metrics, first, metrics)
+        window = self._window(where, state, self.window_size(state), tuple(names) if names else ())
         window.begin(1)
         window.add(check_grads(where, state.layout, grads), alpha)
         window.step()
@@ -170,13 +211,18 @@ class Accumulator:
         new = state._replace(
             sums=sums, weight=state.weight + weight, micro_step=state.micro_step + 1
         )
+        if names is not None:
+            new = new._replace(
+                metrics=_metrics.add(state.metrics, first, metrics, _device(state.layout))
+            )
         return pass_on(state, new, "add()")
 
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
         """Close the window: return its gradients and a fresh state for the next window.
 
         The accumulation boundary: with ``sync=``, every rank must call it (an empty window
-        included), and the result is the gradient over all ranks' micro-batches.
+        included), and the result is the gradient over all ranks' micro-batches. It is
+        [`boundary()`][gradaccum.Accumulator.boundary] without the window's statistics.
 
         Raises:
             ValueError: The window holds no micro-batch (without ``sync``), or its counts (or,
@@ -184,16 +230,72 @@ class Accumulator:
                 not checked (that would synchronise with the device): a zero total then gives
                 non-finite gradients, which [`assert_finite()`][gradaccum.testing.assert_finite]
                 reports.
-            GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
-                failed during the window, or a collective failed or timed out.
+            GradAccumError: With ``sync``: the ranks disagree on the gradient tree or on the
+                metrics' names, they are at different windows (``state.window`` differs), another
+                rank failed during the window, or a collective failed or timed out.
         """
-        where = f"{self._where}.finalize(state)"
+        grads, new, _ = self._close(f"{self._where}.finalize(state)", state, "finalize()")
+        return grads, new
+
+    def boundary(self, state: AccumState[T]) -> tuple[T, AccumState[T], WindowStats]:
+        """Close the window like [`finalize()`][gradaccum.Accumulator.finalize], with its stats.
+
+        ``grads, state = acc.finalize(state)`` is ``acc.boundary(state)[:2]``. The stats come
+        from the boundary collective that reduces the gradients (its tail), so they cost no
+        collective of their own; reading them as numbers synchronises with the device.
+
+        Returns:
+            ``(grads, state, stats)``: the window's gradients, a fresh state for the next
+            window, and a [`WindowStats`][gradaccum.streaming.WindowStats]: the index of the
+            window just closed, its global weight (rows, or counts under ``count``: over all
+            micro-batches of every rank) and each metric of ``add(..., metrics=...)`` summed
+            over the micro-batches of every rank.
+
+        Raises:
+            ValueError: As [`finalize()`][gradaccum.Accumulator.finalize].
+            GradAccumError: As [`finalize()`][gradaccum.Accumulator.finalize].
+            TypeError: A sync of your own that does not report the window's totals (see
+                [`Window.connect()`][gradaccum.sync.Window.connect]).
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> acc = gradaccum.Accumulator(n=2)
+            >>> state = acc.init({"w": torch.zeros(2)})
+            >>> for rows, loss in ((3, 0.5), (1, 0.25)):  # a mean loss over its rows
+            ...     g = {"w": torch.full((2,), loss)}
+            ...     state = acc.add(state, g, size=rows, metrics={"loss": loss * rows})
+            >>> grads, state, stats = acc.boundary(state)
+            >>> stats.window, stats.weight, stats.metrics["loss"] / stats.weight
+            (0, 4.0, 0.4375)
+        """
+        return self._close(f"{self._where}.boundary(state)", state, "boundary()", stats=True)
+
+    def _close(
+        self, where: str, state: AccumState[T], by: str, stats: bool = False
+    ) -> tuple[T, AccumState[T], Any]:
+        """The boundary of ``finalize`` and ``boundary``: the stats only when asked for."""
         check_state(where, state)
         check_live(where, state)
-        window = self._window(where, state, self.window_size(state))
+        names = _metrics.names_of(state.metrics)
+        window = self._window(where, state, self.window_size(state), names)
+        if names:
+            window.metrics = list(state.metrics.values())
         grads = window.finish(state.weight)
-        new = AccumState(None, 0, 0, state.window + 1, state.layout, window.state)
-        return grads, pass_on(state, new, "finalize()")
+        carried = _metrics.zeros(names, _device(state.layout))
+        new = AccumState(None, 0, 0, state.window + 1, state.layout, window.state, None, carried)
+        out = pass_on(state, new, by)
+        if not stats:
+            return grads, out, None
+        if window.totals is None:
+            raise TypeError(
+                f"{where}: the window of {type(self._sync).__name__} did not report the window's "
+                f"totals (Window.totals) at the boundary, so there are no stats to return; in "
+                f"the sync's Window, exchange the weight through a Comm from self.connect(...) "
+                f"(or set self.totals in finish), or call finalize(state) instead."
+            )
+        weight, totals = window.totals
+        named = {k: float(v) for k, v in zip(names, totals)}
+        return grads, out, WindowStats(state.window, float(weight), named)
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:
         """Give up the current window after an error on this rank.
@@ -202,7 +304,10 @@ class Accumulator:
         [`finalize()`][gradaccum.Accumulator.finalize] raises
         [`GradAccumError`][gradaccum.GradAccumError] on every other rank instead of waiting for
         the timeout. Call it in an ``except`` block, then re-raise. Without ``sync`` it only
-        discards the window.
+        discards the window. A rank whose ``finalize`` raised ``GradAccumError`` instead (another
+        rank failed) must not call it (the boundary was joined already); to go on, every rank
+        continues at the next window: there with
+        ``acc.init(params)._replace(window=state.window + 1)``.
 
         Returns:
             A fresh state for the next window, as [`finalize()`][gradaccum.Accumulator.finalize]
@@ -218,9 +323,13 @@ class Accumulator:
         """
         where = f"{self._where}.abort(state)"
         check_state(where, state)
+        names = _metrics.names_of(state.metrics)
         with contextlib.suppress(Exception):  # the caller's error is the one to report
-            self._window(where, state, self.window_size(state)).abort(state.weight)
-        new = AccumState(None, 0, 0, state.window + 1, state.layout, state.reduce_state)
+            self._window(where, state, self.window_size(state), names).abort(state.weight)
+        carried = _metrics.zeros(names, _device(state.layout))
+        new = AccumState(
+            None, 0, 0, state.window + 1, state.layout, state.reduce_state, None, carried
+        )
         return pass_on(state, new, "abort()")
 
     def state_dict(self, state: AccumState[T]) -> dict[str, Any]:
@@ -256,6 +365,13 @@ class Accumulator:
         at = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
         n = self.window_size(state._replace(window=at))
         where = "Accumulator.load_state_dict(state, state_dict)"
-        spec = WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state)
+        saved_metrics = state_dict.get("metrics") if isinstance(state_dict, dict) else None
+        names = tuple(sorted(map(str, saved_metrics))) if isinstance(saved_metrics, dict) else ()
+        spec = self._spec(where, state, n, at, names)
         restored = self._sync.load_state_dict(spec, state, state_dict)
         return pass_on(restored._replace(sums=None), restored, "load_state_dict()")
+
+
+def _device(lay: Any) -> torch.device:
+    """Where a state's metric sums live: with the gradients (the boundary's tail)."""
+    return lay.devices[0] if lay.devices else torch.device("cpu")

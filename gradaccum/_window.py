@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from . import _checkpoint, _reduce, _tree
+from . import _checkpoint, _metrics, _reduce, _tree
 from ._accum_state import AccumState
+from ._comm import Comm
 from ._errors import describe
 from ._layout import Layout, make_layout, spec_of
 
@@ -36,6 +37,15 @@ class WindowSpec:
         state: The sync's state from the previous window (``None`` in the first one).
         params: The differentiated argument as the caller of ``accumulate`` gave it (e.g. a
             ``Sharded`` to gather), or ``None`` (``Accumulator``).
+        fast: The window runs on the fast path, the same on every rank: with ``overlap``,
+            ``ready(i)`` is called during the last backward (``AllReduce`` then learns the order
+            in which the gradients become final).
+        index: The window's index: ``AccumState.window`` for an ``Accumulator``, the number of
+            windows it opened before for a function of ``accumulate``. Ranks at different
+            indices are out of step: a ``Comm`` from [`connect()`][gradaccum.sync.Window.connect]
+            puts it in the fingerprint, so they raise before any gradient is sent.
+        metrics: The names of the window's metrics (sorted; ``Accumulator.add(metrics=...)``),
+            summed over the ranks in the boundary's tail after the weight and failure flag.
 
     Examples:
         >>> import torch, gradaccum
@@ -55,6 +65,9 @@ class WindowSpec:
     agree_n: bool = False
     state: Any = None
     params: Any = None
+    fast: bool = False
+    index: int = 0
+    metrics: tuple[str, ...] = ()
 
 
 class Window:
@@ -71,6 +84,12 @@ class Window:
             ``None`` before the first micro-batch.
         state: The sync's state to carry to the next window (``spec.state`` unless ``finish``
             replaces it).
+        metrics: This rank's metric sums (0-dim tensors, in ``spec.metrics`` order), set by the
+            core before ``finish``; ``[]`` without metrics.
+        totals: Set at the boundary: ``(weight, metrics)`` summed over the ranks (a number or
+            0-dim tensor, and a list in ``spec.metrics`` order). ``Comm.exchange`` of a
+            [`connect()`][gradaccum.sync.Window.connect]-ed ``Comm`` sets it, and so does the
+            base ``finish`` (one process) when it is still ``None``.
 
     Examples:
         >>> import torch, gradaccum
@@ -90,10 +109,29 @@ class Window:
         self.spec, self.layout, self.state = spec, spec.layout, spec.state
         self.where = spec.where
         self.sums: list[torch.Tensor] | None = None
+        self.metrics: list[torch.Tensor] = []
+        self.totals: tuple[Any, list[Any]] | None = None
 
     def at(self, where: str) -> None:
         """Errors from here on name ``where`` (the call now driving the window)."""
         self.where = where
+
+    def connect(
+        self,
+        group: Any,
+        timeout: float | None = None,
+        check: str = "fingerprint",
+        what: str = "sync=all_reduce()",
+    ) -> Comm:
+        """A [`Comm`][gradaccum.sync.Comm] for this window's collectives over ``group``.
+
+        Its errors name the window's call; its fingerprint ([`probe()`][gradaccum.sync.Comm.probe])
+        covers the window's index and metric names, so that ranks at different windows raise
+        [`GradAccumError`][gradaccum.GradAccumError] before any gradient is sent; and its
+        [`exchange()`][gradaccum.sync.Comm.exchange] carries the window's metric sums and sets
+        ``totals``. The arguments are those of ``Comm``.
+        """
+        return Comm(self.where, group, timeout, check, what, window=self)
 
     # -- where the running sums live ------------------------------------------------------------
 
@@ -198,6 +236,8 @@ class Window:
                 f"divide by; skip windows with no items (e.g. all padding), or use "
                 f"reduction='sum'."
             )
+        if self.totals is None:  # one process: the local sums are the totals
+            self.totals = (weight, list(self.metrics))
         return self.normalised(weight)
 
     def normalised(self, total: _reduce.Weight) -> Any:
@@ -224,13 +264,13 @@ class Sync:
 
     Examples:
         A sync that sums every rank's gradient with one plain ``all_reduce`` per leaf, using the
-        transport for the weight and the failure flag:
+        transport for the weight, the failure flag and the window's metrics:
 
         >>> import torch, torch.distributed as dist, gradaccum
-        >>> from gradaccum.sync import Comm, Sync, Window
+        >>> from gradaccum.sync import Sync, Window
         >>> class PerLeafWindow(Window):
         ...     def finish(self, weight, failed=False):
-        ...         comm = Comm(self.spec.where, None)
+        ...         comm = self.connect(None)  # a Comm for this window (its index, its metrics)
         ...         total = comm.settle(comm.exchange(torch.device("cpu"), weight, failed),
         ...                             self.spec.reduction, failed)
         ...         sums = self.sums or self.storage(zero=True)
@@ -275,6 +315,9 @@ class Sync:
     ) -> AccumState[Any]:
         """Validate ``sd`` against ``state`` (a fresh one) and rebuild the saved state."""
         saved, weight = _checkpoint.load(spec.reduction, state, sd, spec.n)
+        lay = spec.layout
+        dev = lay.devices[0] if lay.devices else torch.device("cpu")
+        metrics = _metrics.check_saved(spec.where, sd.get("metrics"), dev, _checkpoint.FIX)
         sums = None
         if saved is not None:
             window = self.open(spec)
@@ -291,6 +334,7 @@ class Sync:
             micro_step=int(sd["micro_step"]),
             window=int(sd["window"]),
             reduce_state=sd.get("reduce_state"),
+            metrics=metrics,
         )
 
 

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_fsdp",
             "_accum_state",
             "_autograd",
+            "_metrics",
         },
     ),
     ("protocol and transport", {"_comm", "_window"}),

@@ -1,11 +1,13 @@
 """Smoke tests of the benchmarks: ``suite.py --quick`` and ``sharded.py --quick`` run and agree."""
 
+import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from png import check as png_check
 
 SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
 TWO_PROC = [
@@ -173,3 +175,28 @@ def test_scale_quick() -> None:
         assert f"| {name} | " in out, name
     assert out.count(": OK\n") == 3, out  # gradaccum's bytes per tier equal the formula
     assert "formula check: OK; params agree (<= 1e-05): yes" in out
+
+
+COMPRESSION = Path(__file__).resolve().parent.parent / "benchmarks" / "compression.py"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_compression_quick_writes_a_figure_stamped_with_its_data(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the figure needs the [plot] extra")
+    proc = subprocess.run(
+        [sys.executable, str(COMPRESSION), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "compression.json").read_text())
+    assert data["names"][0] == "exact"
+    assert set(data["results"]) == set(data["names"]) == set(data["sums"])
+    meta = png_check(tmp_path / "compression.png", min_size=(800, 300))
+    assert meta["Source"] == "compression.json"
+    digest = hashlib.sha256((tmp_path / "compression.json").read_bytes()).hexdigest()
+    assert meta["Source-SHA256"] == digest

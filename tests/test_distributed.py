@@ -163,15 +163,19 @@ def _counts(rank: int, world: int) -> dict[str, Any]:
         )
     out["windows"] = windows
     n1 = gradaccum.accumulate(grad(mean_loss), 1, sync=sync)
-    with gradaccum.sync.record_collectives() as log:
-        n1(params, _shard(regression_batch(sum(SPLIT)), rank))
-    out["n1"] = len(log)
+    out["n1"] = []
+    for _ in range(2):  # the fast path: the first window also agrees on the bucket order
+        with gradaccum.sync.record_collectives() as log:
+            n1(params, _shard(regression_batch(sum(SPLIT)), rank))
+        out["n1"].append([c.purpose for c in log])
+    out["n1 plan"] = len(sync.plan(params))
     # A subgroup (here: both ranks, but not the default group object) is used as given.
     sub = dist.new_group([0, 1])
     step = gradaccum.accumulate(grad(mean_loss), 2, sync=gradaccum.all_reduce(sub))
     with gradaccum.sync.record_collectives() as log:
         g = step(params, _shard(regression_batch(sum(SPLIT)), rank))
-    out["subgroup"] = all(c.group is sub for c in log) and len(log) == 2
+    # The fingerprint, one bucket, and (first window, fast path) the bucket order.
+    out["subgroup"] = all(c.group is sub for c in log) and len(log) == 3
     out["subgroup diff"] = max_diff(g, grad(mean_loss)(params, regression_batch(sum(SPLIT))))
     # A group without this rank is refused before any collective; rank 0 syncs alone.
     solo = dist.new_group([0])
@@ -207,7 +211,9 @@ def test_collectives_only_at_the_boundary_one_per_bucket() -> None:
             assert len(checks) == 1  # check="fingerprint": every window, before its buckets
             assert window["calls"] == len(window["log"])  # the log misses nothing
             assert window["group_is_world"]
-        assert out["n1"] == len(plan) + 1  # n=1 still syncs: the fingerprint, then the buckets
+        # n=1 still syncs: the fingerprint, then the buckets (and once, the bucket order).
+        assert out["n1"][0] == ["fingerprint"] + ["gradients"] * len(plan) + ["bucket order"]
+        assert out["n1"][1] == ["fingerprint"] + ["gradients"] * out["n1 plan"]
         assert out["subgroup"]
         assert out["subgroup diff"] < 1e-12
     assert outs[0]["solo"] < 1e-15

@@ -1,6 +1,19 @@
+"""The docs: API entries, the nav, and every ```python block of every page.
+
+The rule for code blocks (CONTRIBUTING.md, "Docstrings and docs"): every ```python block of every
+page under docs/ runs in these tests. A page's blocks run in order, in one namespace, in one
+process (in a temporary directory). A block that cannot run there (it needs several processes,
+or an optional package) is marked, on the line before it, as a fragment of a file that the tests
+run: ``<!-- fragment: examples/ddp.py -->``. Its non-blank lines must then occur in that file, in
+the same order (leading and trailing spaces aside), and the file must be run by a test (its name
+appears in a tests/test_*.py other than this one). There is no other way out: ``<!-- skip -->`` is
+refused.
+"""
+
 import re
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -8,11 +21,18 @@ from public import public_objects
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-EXECUTED_PAGES = ["index.md", "getting-started.md", "concepts.md"]
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})\s*(?P<lang>[\w+-]*)[^\n]*$")
+FRAGMENT = re.compile(r"^<!--\s*fragment:\s*(?P<path>\S+)\s*-->$")
 SKIP = "<!-- skip -->"
 API_ENTRY = re.compile(r"^:::[ \t]+(\S+)[ \t]*$", re.MULTILINE)
+
+
+class Block(NamedTuple):
+    line: int  # the block's first line of code, 1-based
+    source: str  # dedented
+    fragment: str | None  # the file it is a fragment of, or None: it runs
+    marker: str  # the non-blank line before the fence
 
 
 def nav_pages():
@@ -24,7 +44,7 @@ def nav_pages():
 
 
 def python_blocks(page):
-    """The page's ```python fences, as (first line number, dedented source), minus skipped ones."""
+    """The page's ```python fences as Blocks, in order."""
     lines = page.read_text().splitlines()
     blocks = []
     i = 0
@@ -41,11 +61,26 @@ def python_blocks(page):
             end += 1
         assert end < len(lines), f"{page.name}:{i + 1}: unclosed code fence"
         previous = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
-        if lang == "python" and previous != SKIP:
+        if lang == "python":
             source = textwrap.dedent("\n".join(lines[start:end]))
-            blocks.append((start + 1, source))
+            fragment = FRAGMENT.match(previous)
+            blocks.append(Block(start + 1, source, fragment and fragment["path"], previous))
         i = end + 1
     return blocks
+
+
+def pages():
+    return sorted(page.relative_to(DOCS).as_posix() for page in DOCS.rglob("*.md"))
+
+
+def pages_with(kind):
+    """The pages with blocks that run (kind "run") or with fragments (kind "fragment")."""
+    out = []
+    for name in pages():
+        blocks = python_blocks(DOCS / name)
+        if any((b.fragment is None) == (kind == "run") for b in blocks):
+            out.append(name)
+    return out
 
 
 def test_every_public_name_has_an_api_entry():
@@ -74,10 +109,34 @@ def test_every_page_is_in_the_nav():
     assert not nav - pages, f"nav entries without a page: {sorted(nav - pages)}"
 
 
-def test_skip_marker_is_honoured(tmp_path):
+def test_blocks_and_fragment_markers_are_read(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("```python\nx = 1\n```\n\n<!-- skip -->\n```python\nraise SystemExit\n```\n")
-    assert python_blocks(page) == [(2, "x = 1")]
+    page.write_text(
+        "```python\nx = 1\n```\n\n<!-- fragment: examples/ddp.py -->\n"
+        '=== "tab"\n\n    ```python\n    if x:\n        y = 2\n    ```\n'
+    )
+    assert python_blocks(page) == [
+        Block(2, "x = 1", None, ""),
+        Block(9, "if x:\n    y = 2", None, '=== "tab"'),
+    ]
+    page.write_text("<!-- fragment: examples/ddp.py -->\n\n```python\nx = 1\n```\n")
+    assert python_blocks(page) == [
+        Block(4, "x = 1", "examples/ddp.py", "<!-- fragment: examples/ddp.py -->")
+    ]
+
+
+def test_no_block_is_skipped():
+    skipped = [
+        f"{name}:{block.line}"
+        for name in pages()
+        for block in python_blocks(DOCS / name)
+        if block.marker == SKIP
+    ]
+    assert not skipped, (
+        f"python blocks marked {SKIP}, which the doc tests no longer honour: {skipped}; make the "
+        f"block run with the page, or mark it <!-- fragment: examples/NAME.py --> (its lines in "
+        f"a file the tests run)"
+    )
 
 
 def fenced(text, lang):
@@ -98,15 +157,61 @@ def test_home_page_example_matches_the_readme():
     assert readme[0] in fenced((DOCS / "index.md").read_text(), "python")
 
 
-@pytest.mark.parametrize("name", EXECUTED_PAGES)
+@pytest.mark.parametrize("name", pages_with("run"))
 def test_page_code_runs(name, tmp_path, monkeypatch):
     page = DOCS / name
-    blocks = python_blocks(page)
-    assert name == "index.md" or blocks, f"{name} has no python code blocks"
     monkeypatch.chdir(tmp_path)  # snippets may write files (checkpoints)
     torch.manual_seed(0)
     namespace = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
-    for line, source in blocks:
-        # Pad with blank lines so that tracebacks give the line numbers of the page.
-        code = compile("\n" * (line - 1) + source, str(page), "exec")
-        exec(code, namespace)
+    for block in python_blocks(page):
+        if block.fragment is None:
+            # Pad with blank lines so that tracebacks give the line numbers of the page.
+            code = compile("\n" * (block.line - 1) + block.source, str(page), "exec")
+            exec(code, namespace)
+
+
+def _tested_files():
+    """The text of the test modules that run files (all but this one)."""
+    return "\n".join(
+        p.read_text()
+        for p in sorted((ROOT / "tests").glob("test_*.py"))
+        if p.name != "test_docs.py"
+    )
+
+
+@pytest.mark.parametrize("name", pages_with("fragment"))
+def test_fragments_are_in_files_the_tests_run(name):
+    tests = _tested_files()
+    for block in python_blocks(DOCS / name):
+        if block.fragment is None:
+            continue
+        where = f"docs/{name}:{block.line}: fragment of {block.fragment}"
+        path = ROOT / block.fragment
+        assert path.is_file(), f"{where}: no such file in the repository"
+        names = {path.name, path.relative_to(ROOT).as_posix()}
+        if path.is_relative_to(ROOT / "examples"):
+            names.add(path.relative_to(ROOT / "examples").as_posix())
+        assert any(f'"{name}"' in tests for name in names), (
+            f"{where}: no tests/test_*.py runs it (names it, in quotes, as one of {sorted(names)})"
+        )
+        found = [line.strip() for line in path.read_text().splitlines()]
+        at = 0
+        for offset, line in enumerate(block.source.splitlines()):
+            if not line.strip():
+                continue
+            try:
+                at = found.index(line.strip(), at) + 1
+            except ValueError:
+                raise AssertionError(
+                    f"{where}: line {block.line + offset} ({line.strip()!r}) is not in "
+                    f"{block.fragment} after its line {at}; copy the code from the file, or "
+                    f"change both"
+                ) from None
+
+
+def test_fragment_check_catches_a_missing_line(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- fragment: examples/ddp.py -->\n```python\nnot_in_ddp = 42\n```\n")
+    monkeypatch.setattr("test_docs.DOCS", tmp_path)
+    with pytest.raises(AssertionError, match=r"line 3 \('not_in_ddp = 42'\) is not in"):
+        test_fragments_are_in_files_the_tests_run("page.md")

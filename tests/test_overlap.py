@@ -107,16 +107,17 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
     try:
         params = mlp_params(kind="dict")
         sync = gradaccum.all_reduce(bucket_mb=1e-5, overlap=overlap)
-        plan = sync.plan(params)
         step = gradaccum.accumulate(gradaccum.grad(loss_fn), 4, sync=sync)
         windows = []
-        for w in range(2):
+        for w in range(3):
+            plan = sync.plan(params)  # the buckets this window uses
             forwards[0] = 0
             seen.clear()
             with gradaccum.sync.record_collectives() as log:
                 g = step(params, _shard(regression_batch(sum(SPLIT), seed=w), rank))
             windows.append(
                 {
+                    "plan": [(b.numel, b.tail, b.paths) for b in plan],
                     "seen": list(seen),
                     "log": [(c.purpose, c.numel) for c in log],
                     "diff": max_diff(
@@ -126,17 +127,26 @@ def _when(rank: int, world: int, overlap: bool) -> dict[str, Any]:
             )
     finally:
         _comm.all_reduce = real  # type: ignore[assignment]
-    return {"plan": [(b.numel, b.tail) for b in plan], "windows": windows}
+    return {"windows": windows, "leaves": len(params)}
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_overlap_launches_buckets_during_the_last_backward_only(overlap: bool) -> None:
-    for out in values(run(_when, overlap)):
-        plan = out["plan"]
-        assert len(plan) >= 3
-        tail = [numel for numel, is_tail in plan if is_tail]
-        order = [numel for numel, is_tail in plan if not is_tail] + tail  # the tail goes last
-        for window in out["windows"]:
+    outs = values(run(_when, overlap))
+    plans = [[w["plan"] for w in o["windows"]] for o in outs]
+    assert plans[0] == plans[1]  # the same buckets on both ranks, in every window
+    for out in outs:
+        plans = [w["plan"] for w in out["windows"]]
+        # With overlap the first window agrees on the ready order; the later ones follow it.
+        assert (plans[1] != plans[0]) is overlap
+        assert plans[2] == plans[1]
+        for w, window in enumerate(out["windows"]):
+            plan = window["plan"]
+            assert len(plan) >= 3
+            tail = [numel for numel, is_tail, _ in plan if is_tail]
+            order = [numel for numel, is_tail, _ in plan if not is_tail] + tail  # the tail last
+            if overlap and w == 0:  # the order: one number per leaf, once, after the tail
+                order.append(out["leaves"])
             assert window["diff"] < 1e-12
             grads = window["seen"]
             # The fingerprint, in every window: after the last forward, before its backward.
@@ -144,13 +154,92 @@ def test_overlap_launches_buckets_during_the_last_backward_only(overlap: bool) -
             grads = grads[1:]
             assert [s[2] for s in grads] == order  # one all_reduce per bucket, in plan order
             assert all(s[0] == 4 for s in window["seen"])  # nothing before the last micro-batch
-            inside = [s[1] for s in grads]
+            inside = [s[1] for s in grads[: len(plan)]]
             assert inside[-1] is False  # the bucket with the weight: after the backward
             if overlap:
                 assert inside[0] is True  # the first bucket: during the last backward
             else:
                 assert not any(inside)
             assert [n for _, n in window["log"]] == [s[2] for s in window["seen"]]
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that counts the backwards that reached it (the first layer's input)."""
+
+    calls = [0]
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _Mark.calls[0] += 1
+        return g
+
+
+def _ready_order(rank: int, world: int) -> dict[str, Any]:
+    """Key paths that put the first layer's weight (ready last) in the first bucket."""
+    gen = torch.Generator().manual_seed(0)
+    params = {
+        "z_first": torch.randn(16, 32, generator=gen, dtype=torch.float64),
+        "b_head": torch.randn(3, generator=gen, dtype=torch.float64),
+        "a_head": torch.randn(32, 3, generator=gen, dtype=torch.float64),
+    }
+    x = torch.randn(24, 16, generator=gen, dtype=torch.float64)
+    y = torch.randn(24, 3, generator=gen, dtype=torch.float64)
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        h = torch.tanh(_Mark.apply(b[0] @ p["z_first"]))
+        return ((h @ p["a_head"] + p["b_head"] - b[1]) ** 2).mean()
+
+    launched: list[tuple[int, int]] = []
+    real = _comm.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        launched.append((_Mark.calls[0], tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    sync = gradaccum.all_reduce(bucket_mb=1e-5)
+    step = gradaccum.accumulate(gradaccum.grad(loss_fn), 3, sync=sync)
+    out: dict[str, Any] = {"plans": [], "launched": [], "diff": 0.0}
+    mine = (x[rank * 12 : (rank + 1) * 12], y[rank * 12 : (rank + 1) * 12])
+    _comm.all_reduce = spy  # type: ignore[assignment]
+    try:
+        for _ in range(3):
+            out["plans"].append([b.paths for b in sync.plan(params)])
+            launched.clear()
+            _Mark.calls[0] = 0
+            g = step(params, mine)
+            out["launched"].append(list(launched))
+            ref = gradaccum.grad(loss_fn)(params, (x, y))
+            out["diff"] = max(out["diff"], max_diff(g, ref))
+    finally:
+        _comm.all_reduce = real  # type: ignore[assignment]
+    return out
+
+
+def test_buckets_follow_the_gradient_ready_order_after_the_first_window() -> None:
+    outs = values(run(_ready_order))
+    assert outs[0]["plans"] == outs[1]["plans"]
+    for out in outs:
+        assert out["diff"] < 1e-12
+        first, second, third = out["plans"]
+        # Key-path order first: the first layer's weight, ready last, fills the first bucket.
+        assert first == [("['z_first']",), ("['b_head']",), ("['a_head']",)]
+        # Then the order the gradients became final: the head's first, the weight (and the
+        # tail) last.
+        assert second[-1] == ("['z_first']",)
+        assert set(second[:2]) == {("['b_head']",), ("['a_head']",)}
+        assert third == second
+        for w, window in enumerate(out["launched"]):
+            assert window[0] == (2, 2)  # the fingerprint: before the last (third) backward
+            if w == 0:  # the first bucket waits for the first layer's gradient ...
+                assert window[1][0] == 3
+                assert window[-1][1] == 3  # ... and the order (a number per leaf) comes last
+            else:  # then the first bucket starts before the last backward reaches that layer
+                assert window[1][0] == 2
+                assert len(window) == 1 + 3  # the fingerprint, an all-reduce per bucket
 
 
 class _Boom(torch.autograd.Function):
