@@ -167,7 +167,7 @@ def save(path: str | os.PathLike[str], *, step: Step | None = None, data: Any = 
         if step.sync is None:
             own["step"] = part
         else:
-            own["step"] = {"accumulator": part.pop("accumulator"), "sums": part.pop("sums")}
+            own["step"] = {"accumulator": part.pop("accumulator")}
             shared = {"format": FORMAT, "world": world, "tag": tag, "step": part}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)

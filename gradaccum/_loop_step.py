@@ -11,9 +11,8 @@ import torch
 
 from . import _reduce, _tree
 from ._boundary import clip_by_global_norm
-from ._comm import Comm, positive
+from ._comm import positive
 from ._errors import describe
-from ._loop_plan import data_axes
 from ._module import write_grads
 from ._state import Accumulator
 from ._window import check_sync
@@ -22,6 +21,7 @@ __all__ = ["FORMAT", "Step", "StepStats"]
 
 FORMAT = "gradaccum.loop.Step/1"
 OPEN = 2**31 - 1  # the windows end where the data says (Step.apply), not at a fixed n
+METRICS = ("loss", "micro_batches")  # summed in the boundary collective, with the weight
 
 
 class StepStats(NamedTuple):
@@ -188,12 +188,8 @@ class Step:
             )
         self._names = [k for k, _ in named]
         self._params = [p for _, p in named]
-        self.state = self.acc.init({k: p.detach() for k, p in named})
+        self.state = self.acc.init({k: p.detach() for k, p in named}, metrics=METRICS)
         self._since: float | None = None
-        # SHIM(H1): the window's loss sum and micro-batches, kept here until Accumulator.add
-        # takes metrics= and Accumulator.boundary returns them (then they ride its tail).
-        self._sums: list[Any] = [0.0, 0]
-        self._found = data_axes(where, sync, None)
 
     @property
     def window(self) -> int:
@@ -252,37 +248,16 @@ class Step:
                 value, self._params, allow_unused=True, materialize_grads=True
             )
             tree = dict(zip(self._names, grads))
+            summed = value.detach() * weight if self.reduction == "mean" else value.detach()
+            metrics = {"loss": summed, "micro_batches": 1}
             if self.reduction == "count":
-                self.state = self.acc.add(self.state, tree, count=weight)
-                summed = value.detach()
+                self.state = self.acc.add(self.state, tree, count=weight, metrics=metrics)
             else:
-                self.state = self.acc.add(self.state, tree, size=weight)
-                summed = value.detach() * weight if self.reduction == "mean" else value.detach()
+                self.state = self.acc.add(self.state, tree, size=weight, metrics=metrics)
         except BaseException:
             if self.sync is not None:
                 self.state = self.acc.abort(self.state)
-                self._sums = [0.0, 0]
             raise
-        self._sums = [self._sums[0] + summed, self._sums[1] + 1]  # SHIM(H1)
-
-    def _boundary(self) -> tuple[Any, tuple[float, float, int]]:
-        """SHIM(H1): finalize, then one more all-reduce of [weight, loss sum, micro-batches]."""
-        weight = self.state.weight
-        grads, self.state = self.acc.finalize(self.state)
-        loss_sum = self._sums[0]
-        tail = [
-            float(weight),
-            float(loss_sum) if isinstance(loss_sum, torch.Tensor) else loss_sum,
-            float(self._sums[1]),
-        ]
-        self._sums = [0.0, 0]
-        if self._found is not None:
-            t = torch.tensor(tail, dtype=torch.float64)
-            for axis in self._found:
-                comm = Comm("Step.apply()", axis, getattr(self.sync, "timeout", None), "never")
-                comm.wait(comm.all_reduce(t, "the stats all_reduce", "stats"), "stats")
-            tail = t.tolist()
-        return grads, (tail[0], tail[1], int(tail[2]))
 
     def apply(self) -> StepStats:
         """Close the window: boundary, clip, ``write_grads``, one optimizer and scheduler step.
@@ -297,8 +272,19 @@ class Step:
             GradAccumError: Under a sync: the ranks disagree, another rank failed, or a
                 collective failed or timed out (see ``Accumulator.finalize``).
         """
-        window = self.state.window
-        grads, (items, loss_sum, micro) = self._boundary()
+        try:
+            grads, self.state, totals = self.acc.boundary(self.state)
+        except TypeError as err:
+            if "did not report the window's totals" not in str(err):
+                raise
+            raise TypeError(
+                "Step.apply(): the sync's window reports no totals at the boundary, so the "
+                "window's loss and tokens are not known: in your sync's Window, exchange the "
+                "weight through self.connect(...) (see gradaccum.sync.Window.connect), or use "
+                "gradaccum.Accumulator with finalize()."
+            ) from err
+        items, loss_sum = totals.weight, totals.metrics["loss"]
+        micro = round(totals.metrics["micro_batches"])
         if self.clip is not None:
             grads, norm = clip_by_global_norm(grads, self.clip)
         else:
@@ -315,7 +301,7 @@ class Step:
         now = time.perf_counter()
         seconds, self._since = now - (self._since or now), now
         loss = loss_sum if self.reduction == "sum" else loss_sum / items
-        return StepStats(window, loss, items, micro, float(norm), lr, seconds)
+        return StepStats(totals.window, loss, items, micro, float(norm), lr, seconds)
 
     def state_dict(self) -> dict[str, Any]:
         """The model, optimizer, scheduler and the window in progress (its running sums).
@@ -323,17 +309,12 @@ class Step:
         Safe for ``torch.load(..., weights_only=True)``; tensors are copies or the module's own
         (``model.state_dict()``), as ``torch.save`` expects.
         """
-        loss_sum = self._sums[0]
         return {
             "format": FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "accumulator": self.acc.state_dict(self.state),
-            "sums": [  # SHIM(H1)
-                loss_sum.clone() if isinstance(loss_sum, torch.Tensor) else loss_sum,
-                self._sums[1],
-            ],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -360,7 +341,6 @@ class Step:
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
-        fresh = self.acc.init({k: p.detach() for k, p in zip(self._names, self._params)})
+        params = {k: p.detach() for k, p in zip(self._names, self._params)}
+        fresh = self.acc.init(params, metrics=METRICS)
         self.state = self.acc.load_state_dict(fresh, sd["accumulator"])
-        sums = sd["sums"]  # SHIM(H1)
-        self._sums = [sums[0].clone() if isinstance(sums[0], torch.Tensor) else sums[0], sums[1]]
