@@ -466,3 +466,29 @@ def test_an_error_on_one_rank_reaches_every_rank() -> None:
     assert r1.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
     assert r0.startswith("GradAccumError: ")
     assert "1 other rank(s) of the 2 in the group raised an error during this window" in r0
+
+
+def test_messages_in_full(tmp_path) -> None:
+    model = make_model()
+    with pytest.raises(TypeError) as err:
+        Step(model, mse, optimizer=torch.optim.SGD(model.parameters()), reduction="count").add(
+            data(2)
+        )
+    assert str(err.value) == (
+        "Step.add(batch): with reduction='count' the loss function must return (summed_loss, "
+        "count), got Tensor(shape=(), dtype=float64); return e.g. (loss_sum, (labels != "
+        "-100).sum())."
+    )
+    step = Step(model, mse, optimizer=torch.optim.SGD(model.parameters()))
+    windowed = windows([data(2), data(2)], 2)
+    batch = next(iter(next(iter(windowed))))
+    step.add(batch)
+    step.apply()
+    with pytest.raises(ValueError) as err:
+        save(tmp_path, step=step, data=windowed)
+    assert str(err.value) == (
+        "gradaccum.loop.save(path, step=..., data=...): the step is at window 1 with 0 "
+        "micro-batch(es) added, but the data at window 0 with 1 taken; save between "
+        "step.add(batch) calls, or after step.apply(), with the step fed by this data "
+        "(step.add each micro-batch taken)."
+    )

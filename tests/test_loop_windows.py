@@ -383,3 +383,23 @@ def test_a_missing_peer_times_out() -> None:
     r0, r1 = dist.values(dist.run(_late_peer, timeout=120))
     assert r1 == "gone"
     assert "the data lengths all_reduce of windows() failed on rank 0" in r0
+
+
+def test_messages_in_full() -> None:
+    data = windows(range(5), 2)
+    loop = iter(data)
+    next(iter(next(loop)))
+    with pytest.raises(ValueError) as err:
+        next(loop)
+    assert str(err.value) == (
+        "windows(data, n=2): window 0 was left part-way, with micro-batches not taken; iterate "
+        "every window you start to its end (for batch in window: ...) before asking for the "
+        "next, so that no micro-batch is silently skipped."
+    )
+    with pytest.raises(TypeError) as err:
+        windows(iter(range(3)), 2, epochs=2)
+    assert str(err.value) == (
+        "windows(data, n=2): data is an iterator (range_iterator), which gives its micro-batches "
+        "once, but epochs=2; pass an iterable that can be iterated again (a DataLoader, a list, "
+        "a class with __iter__), or epochs=1."
+    )
