@@ -484,7 +484,7 @@ def test_messages_in_full(tmp_path) -> None:
     batch = next(iter(next(iter(windowed))))
     step.add(batch)
     step.apply()
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=r"the step is at window 1") as err:
         save(tmp_path, step=step, data=windowed)
     assert str(err.value) == (
         "gradaccum.loop.save(path, step=..., data=...): the step is at window 1 with 0 "

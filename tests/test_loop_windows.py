@@ -389,7 +389,7 @@ def test_messages_in_full() -> None:
     data = windows(range(5), 2)
     loop = iter(data)
     next(iter(next(loop)))
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=r"left part-way") as err:
         next(loop)
     assert str(err.value) == (
         "windows(data, n=2): window 0 was left part-way, with micro-batches not taken; iterate "
