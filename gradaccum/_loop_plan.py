@@ -111,13 +111,19 @@ def data_axes(where: str, sync: Any, group: Any) -> tuple[Axis, ...] | None:
 class Agreement:
     """The data-parallel ranks' agreement on small integers: one all-reduce (MAX) per call."""
 
-    def __init__(self, where: str, found: tuple[Axis, ...], timeout: float | None) -> None:
-        self.where, self.found, self.timeout = where, found, timeout
+    def __init__(
+        self,
+        where: str,
+        found: tuple[Axis, ...],
+        timeout: float | None,
+        what: str = "windows(data, n, sync=...)",
+    ) -> None:
+        self.where, self.found, self.timeout, self.what = where, found, timeout, what
         self.comms: list[Comm] | None = None
 
     def _open(self) -> list[Comm]:
         if self.comms is None:
-            what = "windows(data, n, sync=...)"
+            what = self.what
             self.comms = [Comm(self.where, a, self.timeout, "never", what) for a in self.found]
         return self.comms
 
@@ -129,7 +135,7 @@ class Agreement:
         if "nccl" in backend and "gloo" not in backend:
             device = torch.device("cuda", torch.cuda.current_device())
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        what = f"the {purpose} all_reduce of windows()"
+        what = f"the {purpose} all_reduce"
         for comm in comms:
             comm.wait(comm.all_reduce(t, what, purpose, op=dist.ReduceOp.MAX), what)
         return [int(v) for v in t.tolist()]

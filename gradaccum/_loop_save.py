@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ._errors import GradAccumError, describe
 from ._loop_data import Windows
+from ._loop_plan import Agreement, data_axes
 from ._loop_step import Step
 
 __all__ = ["load", "save"]
@@ -108,12 +109,14 @@ def save(path: str | os.PathLike[str], *, step: Step | None = None, data: Any = 
     [`load()`][gradaccum.loop.load] resumes bit-identically: the same updates, on every rank.
 
     Every rank calls it at the same point of the loop (between ``step.add`` calls, or after
-    ``step.apply()``). It does not communicate: it returns when this rank's files are written.
-    Under a sync, rank 0 writes the parameters, optimizer and scheduler once (``shared.pt``),
-    and each rank its own part (``rank{r}.pt``). For sharded parameters (a
-    [`reduce_scatter()`][gradaccum.reduce_scatter] sync, FSDP2), save them, their optimizer and
-    the accumulator with [`dcp_save()`][gradaccum.sync.dcp_save], and the data position and
-    random states here (``save(path, data=data)``).
+    ``step.apply()``). Under the step's sync, rank 0 writes the parameters, optimizer and
+    scheduler once (``shared.pt``), each rank its own part (``rank{r}.pt``), and one 8-byte
+    all-reduce (logged as ``"checkpoint"``) makes it return when every rank's files are
+    written. Without a sync each rank writes all of its state to its own file, and returns.
+    For sharded parameters (a [`reduce_scatter()`][gradaccum.reduce_scatter] sync, FSDP2),
+    save them, their optimizer and the accumulator with
+    [`dcp_save()`][gradaccum.sync.dcp_save], and the data position and random states here
+    (``save(path, data=data)``).
 
     Args:
         path: A directory (created if missing); files in it are replaced.
@@ -174,6 +177,11 @@ def save(path: str | os.PathLike[str], *, step: Step | None = None, data: Any = 
     if shared is not None and rank == 0:
         _write(folder / "shared.pt", shared)
     _write(folder / f"rank{rank}.pt", own)
+    if shared is not None and step is not None:  # complete on every rank when save returns
+        found = data_axes(where, step.sync, None)
+        if found is not None:
+            timeout = getattr(step.sync, "timeout", None)
+            Agreement(where, found, timeout, "gradaccum.loop.save").max([1], "checkpoint")
 
 
 def _write(file: Path, obj: Any) -> None:

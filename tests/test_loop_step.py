@@ -319,6 +319,10 @@ def test_resume_under_a_sync_writes_the_params_once(tmp_path, world_of_one) -> N
     step.scheduler = None
     with pytest.raises(gradaccum.GradAccumError, match=r"shared.pt is from another save"):
         load(tmp_path, step=step, data=windows(loader(), 4, epochs=2))
+    # Under a sync, save returns once every rank's files are written: one 8-byte all-reduce.
+    with gradaccum.sync.record_collectives() as log:
+        save(tmp_path / "third", step=step)
+    assert [(c.kind, c.purpose, c.nbytes) for c in log] == [("all_reduce", "checkpoint", 8)]
 
 
 def test_save_refuses_a_micro_batch_taken_but_not_added(tmp_path) -> None:

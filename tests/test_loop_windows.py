@@ -382,7 +382,7 @@ def _late_peer(rank: int, world: int) -> str:
 def test_a_missing_peer_times_out() -> None:
     r0, r1 = dist.values(dist.run(_late_peer, timeout=120))
     assert r1 == "gone"
-    assert "the data lengths all_reduce of windows() failed on rank 0" in r0
+    assert "windows(data, n=2): the data lengths all_reduce failed on rank 0" in r0
 
 
 def test_messages_in_full() -> None:
