@@ -6,6 +6,7 @@ happens once, at the accumulation boundary.
 
 from . import boundary as boundary
 from . import compression as compression
+from . import loop as loop
 from . import privacy as privacy
 from . import streaming as streaming
 from . import sync as sync

@@ -10,7 +10,7 @@ import gradaccum
 
 # The public submodules. A module object in gradaccum.__all__ (testing) is covered through its
 # own __all__ here; the tests check that none is left out.
-SUBMODULES = ("sync", "boundary", "compression", "privacy", "streaming", "testing")
+SUBMODULES = ("sync", "boundary", "compression", "privacy", "streaming", "testing", "loop")
 
 # gradaccum.__all__, exactly.
 TOP_LEVEL = (

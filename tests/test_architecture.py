@@ -51,8 +51,23 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("core", {"_engine", "_accumulate", "_state"}),
-    ("extras", {"_boundary", "_compress", "_dp", "_module", "testing"}),
-    ("public", {"__init__", "sync", "boundary", "compression", "privacy", "streaming"}),
+    (
+        "extras",
+        {
+            "_boundary",
+            "_compress",
+            "_dp",
+            "_module",
+            "testing",
+            "_loop_plan",
+            "_loop_data",
+            "_loop_windows",
+            "_loop_step",
+            "_loop_save",
+            "_loop_progress",
+        },
+    ),
+    ("public", {"__init__", "sync", "boundary", "compression", "privacy", "streaming", "loop"}),
 ]
 CORE = {"_engine", "_accumulate", "_state"}
 SYNC_MODULES = {"_all_reduce", "_reduce_scatter", "_scatter_window", "_custom", "_shard"}
