@@ -40,6 +40,9 @@ class AccumState(NamedTuple, Generic[T]):
             name, of 0-dim float64 tensors on the gradients' device; ``None`` without metrics.
             Before a window's first micro-batch, zeros with the previous window's names (what
             an empty window sends).
+        epoch: How many epochs were ended with [`end_epoch()`][gradaccum.Accumulator.end_epoch];
+            a sync checks it with ``window``, so ranks whose epochs hold different numbers of
+            windows raise instead of combining windows of different epochs.
 
     Examples:
         >>> import torch, gradaccum
@@ -57,6 +60,7 @@ class AccumState(NamedTuple, Generic[T]):
     reduce_state: Any = None
     ticket: Any = None
     metrics: Any = None
+    epoch: int = 0
 
 
 def check_live(where: str, state: AccumState[Any]) -> None:

@@ -37,6 +37,7 @@ def save(reduction: str, state: AccumState[T]) -> dict[str, Any]:
         "weight": state.weight,
         "micro_step": state.micro_step,
         "window": state.window,
+        "epoch": state.epoch,
         "reduce_state": _tree.map_(
             lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state.reduce_state
         ),
@@ -78,7 +79,7 @@ def _check_fields(where: str, sd: dict[str, Any]) -> None:
             raise GradAccumError(
                 f"{where}: the state dict has {n} paths but {len(sd[key])} {label}{FIX}"
             )
-    check_counters(where, sd, ("micro_step", "window"), FIX)
+    check_counters(where, sd, ("micro_step", "window", *(("epoch",) if "epoch" in sd else ())), FIX)
 
 
 def check_counters(where: str, sd: dict[str, Any], keys: tuple[str, ...], fix: str) -> None:

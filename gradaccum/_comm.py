@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import re
 from collections.abc import Iterator
 from itertools import zip_longest
 from typing import Any, Literal, NamedTuple
@@ -236,7 +237,8 @@ class Comm:
             return desc
         spec = self.window.spec
         names = (f"metrics {list(spec.metrics)}",) if spec.metrics else ()
-        return (f"{WINDOW}{spec.index}", *names, *desc)
+        epoch = f" of epoch {spec.epoch}" if spec.epoch else ""
+        return (f"{WINDOW}{spec.index}{epoch}", *names, *desc)
 
     def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
@@ -372,11 +374,11 @@ def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) 
             rest[: len(metrics)].copy_(torch.stack(list(metrics)))
 
 
-def _window_of(desc: Any) -> int | None:
-    """The window index in a gathered description (its first line), or None."""
+def _window_of(desc: Any) -> str | None:
+    """The window (``"5"``, ``"5 of epoch 1"``) in a gathered description's first line, or None."""
     line = desc[0] if isinstance(desc, (tuple, list)) and desc else None
-    if isinstance(line, str) and line.startswith(WINDOW) and line[len(WINDOW) :].isdigit():
-        return int(line[len(WINDOW) :])
+    if isinstance(line, str) and re.fullmatch(rf"{WINDOW}\d+( of epoch \d+)?", line):
+        return line[len(WINDOW) :]
     return None
 
 

@@ -86,6 +86,7 @@ def dcp_save(
                 {
                     **{k: sd[k] for k in ("format", "reduction", "policies", "accum_dtypes")},
                     "window": sd["window"],
+                    "epoch": sd.get("epoch", 0),
                     "metrics": list(metrics),
                     "world": list(mesh.shape),
                     "mid_window": mid,
@@ -166,7 +167,7 @@ def dcp_load(
     names = meta.get("metrics", [])
     fresh = accumulator.init(sharded, metrics=names)
     if not meta.get("mid_window"):
-        return fresh._replace(window=meta["window"])
+        return fresh._replace(window=meta["window"], epoch=meta.get("epoch", 0))
     counters = _per_rank(mesh, torch.zeros(4 + len(names), dtype=torch.float64))
     bufs = {
         f"b{i}": _per_rank(mesh, torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch."))))
@@ -189,6 +190,7 @@ def dcp_load(
         else (int(weight) if meta["reduction"] == "mean" else weight),
         "micro_step": int(micro_step),
         "window": meta["window"],
+        "epoch": meta.get("epoch", 0),
         "steps": int(steps),
         "full": flat[: meta["full"]],
         "out": flat[meta["full"] :],

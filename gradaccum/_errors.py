@@ -48,8 +48,9 @@ def misaligned(where: str, rank: int, at: list[Any]) -> str:
         f"or an epoch that ended early on one rank), so this boundary would combine gradients of "
         f"different windows; nothing was reduced. Every rank must run the same number of "
         f"windows: call each accumulated function (or finalize) as often on every rank, let "
-        f"gradaccum.loop.windows(...) pad a short loader with empty windows, and restore "
-        f"Accumulator states from the same checkpoint on every rank."
+        f"gradaccum.loop.windows(...) pad a short loader with empty windows (with an "
+        f"Accumulator, call acc.end_epoch(state) at each epoch's end so that this is caught), "
+        f"and restore Accumulator states from the same checkpoint on every rank."
     )
 
 

@@ -15,7 +15,17 @@ import torch
 
 from ._errors import GradAccumError, describe
 
-__all__ = ["Metrics", "WindowStats", "add", "check", "check_saved", "names_of", "zeros"]
+__all__ = [
+    "Metrics",
+    "WindowStats",
+    "add",
+    "check",
+    "check_names",
+    "check_saved",
+    "device_of",
+    "names_of",
+    "zeros",
+]
 
 Metrics = dict[str, torch.Tensor]
 
@@ -162,3 +172,21 @@ def check_saved(where: str, saved: Any, device: torch.device, fix: str) -> Metri
             f"floating tensors, got {describe(saved)}{fix}"
         )
     return {k: v.to(device, copy=True) for k, v in saved.items()}
+
+
+def device_of(lay: Any) -> torch.device:
+    """Where a state's metric sums live: with the gradients (the boundary's tail)."""
+    return lay.devices[0] if lay.devices else torch.device("cpu")
+
+
+def check_names(where: str, metrics: Any) -> list[str]:
+    """The metric names given to ``Accumulator.init``, sorted; a ``TypeError`` if not names."""
+    metrics = () if metrics is None else metrics
+    if not isinstance(metrics, (tuple, list, set, frozenset)) or any(
+        not isinstance(k, str) for k in metrics
+    ):
+        raise TypeError(
+            f"{where}: metrics must be names (a tuple of str), got {metrics!r}; pass e.g. "
+            f"metrics=('loss',)."
+        )
+    return sorted(metrics)

@@ -120,6 +120,7 @@ class ReduceScatter(Sync):
             "weight": state.weight,
             "micro_step": state.micro_step,
             "window": state.window,
+            "epoch": state.epoch,
             "steps": window.steps if window is not None else 0,
             "full": None
             if window is None
@@ -148,7 +149,8 @@ class ReduceScatter(Sync):
                     f"has {key}={value!r}; load it with the same reduction, policy and accum_dtype."
                 )
         fix = "; pass the dict that Accumulator.state_dict() returned on this rank."
-        check_counters(where, sd, ("micro_step", "window", "steps"), fix)
+        epoch_key = ("epoch",) if "epoch" in sd else ()
+        check_counters(where, sd, ("micro_step", "window", "steps", *epoch_key), fix)
         weight = sd["weight"]
         check_progress(where, reduction, sd, n, sd.get("full") is not None)
         if sd["steps"] > n:
@@ -159,8 +161,11 @@ class ReduceScatter(Sync):
         if isinstance(weight, torch.Tensor):
             weight = weight.to(dev, copy=True)
         metrics = check_saved(where, sd.get("metrics"), dev, fix)
+        epoch = int(sd.get("epoch", 0))
         if sd.get("full") is None:
-            return type(state)(None, weight, sd["micro_step"], sd["window"], lay, metrics=metrics)
+            return type(state)(
+                None, weight, sd["micro_step"], sd["window"], lay, metrics=metrics, epoch=epoch
+            )
         window = ScatterWindow(self, spec, verify=False)
         saved = list(sd["full"]) + list(sd["out"])
         if len(saved) != len(window.full) + len(window.out):
@@ -181,7 +186,9 @@ class ReduceScatter(Sync):
                 with torch.no_grad():
                     f.copy_(t)
         window.steps = sd["steps"]
-        return type(state)(window, weight, sd["micro_step"], sd["window"], lay, metrics=metrics)
+        return type(state)(
+            window, weight, sd["micro_step"], sd["window"], lay, metrics=metrics, epoch=epoch
+        )
 
 
 def reduce_scatter(

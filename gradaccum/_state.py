@@ -39,10 +39,9 @@ class Accumulator:
     the micro-batches and, with ``sync``, over the ranks in the same collective as the gradients.
 
     The running sums are updated in place: after ``add(state, ...)`` and ``finalize(state)``,
-    use only the state they return. A state that was passed to them is consumed: ``add``,
-    ``finalize`` and ``state_dict`` refuse it with a ``ValueError`` (it would otherwise change
-    gradients already returned, since those alias the running sums). A state without running sums
-    (from ``init``, or returned by ``finalize``) may be reused.
+    use only the state they return; ``add``, ``finalize`` and ``state_dict`` refuse a consumed
+    one with a ``ValueError`` (it would change gradients already returned, which alias the
+    sums). A state without running sums (from ``init`` or ``finalize``) may be reused.
 
     Args:
         n: Micro-batches per window: a positive int, or a schedule ``window_index -> int``
@@ -55,8 +54,8 @@ class Accumulator:
         sync: ``None`` (one process), or [`all_reduce()`][gradaccum.all_reduce] to synchronise
             over a process group in [`finalize()`][gradaccum.Accumulator.finalize] (or
             ``boundary``), the only place that communicates. Every rank must then be at the
-            same window (``state.window``): the sync checks it, with the gradient tree, before
-            any gradient is sent. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
+            same window (``state.window``, and ``state.epoch``: see ``end_epoch``): the sync
+            checks it before any gradient is sent. Or [`reduce_scatter()`][gradaccum.reduce_scatter]
             for sharded params: ``finalize`` then returns this rank's gradient shards, and
             under its ``every`` policy ``add`` reduce-scatters each micro-batch (every rank
             must then call ``add`` at most ``n`` times per window). Or a
@@ -112,15 +111,7 @@ class Accumulator:
         """
         where = "Accumulator.init(params)"
         lay = self._sync.layout(where, params, self.accum_dtype)
-        metrics = () if metrics is None else metrics
-        if not isinstance(metrics, (tuple, list, set, frozenset)) or any(
-            not isinstance(k, str) for k in metrics
-        ):
-            raise TypeError(
-                f"{where}: metrics must be names (a tuple of str), got {metrics!r}; pass e.g. "
-                f"metrics=('loss',)."
-            )
-        sums = _metrics.zeros(sorted(metrics), _device(lay))
+        sums = _metrics.zeros(_metrics.check_names(where, metrics), _metrics.device_of(lay))
         return AccumState(None, 0, 0, 0, lay, metrics=sums)
 
     @property
@@ -134,18 +125,17 @@ class Accumulator:
             sums.at(where)
             return sums
         # Read while torch.compile traces add(), the index would recompile it every window.
-        index = 0 if torch.compiler.is_compiling() else state.window
-        window = self._sync.open(self._spec(where, state, n, index, names))
+        traced = torch.compiler.is_compiling()
+        index, epoch = (0, 0) if traced else (state.window, state.epoch)
+        window = self._sync.open(self._spec(where, state, n, (index, epoch), names))
         if sums is not None:
             window.restore(_tree.flatten(sums)[0])
         return window
 
-    def _spec(self, where: str, state: AccumState[T], n: int, index: int, names: Any) -> WindowSpec:
-        """The spec of ``state``'s window (``n`` must agree over the ranks)."""
-        lay, reduce_state = state.layout, state.reduce_state
-        return WindowSpec(
-            where, lay, self.reduction, n, True, reduce_state, index=index, metrics=names
-        )
+    def _spec(self, where: str, state: AccumState[T], n: int, at: Any, names: Any) -> WindowSpec:
+        """``state``'s window (``n`` agreed over the ranks; ``at``: its index and epoch)."""
+        rest = {"index": at[0], "epoch": at[1], "metrics": names}
+        return WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state, **rest)
 
     def window_size(self, state: AccumState[T]) -> int:
         """The number of micro-batches of the current window (evaluates a schedule)."""
@@ -213,7 +203,9 @@ class Accumulator:
         )
         if names is not None:
             new = new._replace(
-                metrics=_metrics.add(state.metrics, first, metrics, _device(state.layout))
+                metrics=_metrics.add(
+                    state.metrics, first, metrics, _metrics.device_of(state.layout)
+                )
             )
         return pass_on(state, new, "add()")
 
@@ -230,9 +222,9 @@ class Accumulator:
                 not checked (that would synchronise with the device): a zero total then gives
                 non-finite gradients, which [`assert_finite()`][gradaccum.testing.assert_finite]
                 reports.
-            GradAccumError: With ``sync``: the ranks disagree on the gradient tree or on the
-                metrics' names, they are at different windows (``state.window`` differs), another
-                rank failed during the window, or a collective failed or timed out.
+            GradAccumError: With ``sync``: the ranks disagree on the gradient tree or the
+                metrics' names, are at different windows (``state.window`` or ``state.epoch``),
+                another rank failed in the window, or a collective failed or timed out.
         """
         grads, new, _ = self._close(f"{self._where}.finalize(state)", state, "finalize()")
         return grads, new
@@ -281,8 +273,10 @@ class Accumulator:
         if names:
             window.metrics = list(state.metrics.values())
         grads = window.finish(state.weight)
-        carried = _metrics.zeros(names, _device(state.layout))
-        new = AccumState(None, 0, 0, state.window + 1, state.layout, window.state, None, carried)
+        carried = _metrics.zeros(names, _metrics.device_of(state.layout))
+        new = AccumState(
+            None, 0, 0, state.window + 1, state.layout, window.state, None, carried, state.epoch
+        )
         out = pass_on(state, new, by)
         if not stats:
             return grads, out, None
@@ -304,9 +298,8 @@ class Accumulator:
         [`finalize()`][gradaccum.Accumulator.finalize] raises
         [`GradAccumError`][gradaccum.GradAccumError] on every other rank instead of waiting for
         the timeout. Call it in an ``except`` block, then re-raise. Without ``sync`` it only
-        discards the window. A rank whose ``finalize`` raised ``GradAccumError`` instead (another
-        rank failed) must not call it (the boundary was joined already); to go on, every rank
-        continues at the next window: there with
+        discards the window. A rank whose ``finalize`` raised ``GradAccumError`` (another rank
+        failed) must not call it; it goes on at the next window, as every rank does, with
         ``acc.init(params)._replace(window=state.window + 1)``.
 
         Returns:
@@ -326,11 +319,44 @@ class Accumulator:
         names = _metrics.names_of(state.metrics)
         with contextlib.suppress(Exception):  # the caller's error is the one to report
             self._window(where, state, self.window_size(state), names).abort(state.weight)
-        carried = _metrics.zeros(names, _device(state.layout))
+        carried = _metrics.zeros(names, _metrics.device_of(state.layout))
         new = AccumState(
-            None, 0, 0, state.window + 1, state.layout, state.reduce_state, None, carried
+            None,
+            0,
+            0,
+            state.window + 1,
+            state.layout,
+            state.reduce_state,
+            None,
+            carried,
+            state.epoch,
         )
         return pass_on(state, new, "abort()")
+
+    def end_epoch(self, state: AccumState[T]) -> AccumState[T]:
+        """Mark the end of an epoch: the next window is the first of the next epoch.
+
+        The epoch goes in every window's fingerprint with its index (under a sync, ``check``
+        on): ranks whose epochs hold different numbers of windows (only one rank finalized a
+        short last window) then raise [`GradAccumError`][gradaccum.GradAccumError] at the next
+        boundary, before any gradient is sent, instead of combining windows of different epochs.
+        Nothing is communicated here. Returns the state with ``epoch`` one higher; raises
+        ``ValueError`` if the window in progress holds micro-batches (finalize it first).
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> gradaccum.Accumulator(n=4).end_epoch(gradaccum.Accumulator(n=4).init({})).epoch
+            1
+        """
+        where = f"{self._where}.end_epoch(state)"
+        check_state(where, state)
+        if state.micro_step:
+            raise ValueError(
+                f"{where}: the window in progress holds {state.micro_step} micro-batch(es) of "
+                f"epoch {state.epoch}; call grads, state = acc.finalize(state) for this short "
+                f"last window (every rank, an empty window included), then end_epoch(state)."
+            )
+        return state._replace(epoch=state.epoch + 1)
 
     def state_dict(self, state: AccumState[T]) -> dict[str, Any]:
         """The state as a dict of tensors, numbers and strings.
@@ -367,11 +393,8 @@ class Accumulator:
         where = "Accumulator.load_state_dict(state, state_dict)"
         saved_metrics = state_dict.get("metrics") if isinstance(state_dict, dict) else None
         names = tuple(sorted(map(str, saved_metrics))) if isinstance(saved_metrics, dict) else ()
-        spec = self._spec(where, state, n, at, names)
+        epoch = state_dict.get("epoch", 0) if isinstance(state_dict, dict) else 0
+        epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+        spec = self._spec(where, state, n, (at, max(epoch, 0)), names)
         restored = self._sync.load_state_dict(spec, state, state_dict)
         return pass_on(restored._replace(sums=None), restored, "load_state_dict()")
-
-
-def _device(lay: Any) -> torch.device:
-    """Where a state's metric sums live: with the gradients (the boundary's tail)."""
-    return lay.devices[0] if lay.devices else torch.device("cpu")

@@ -44,6 +44,8 @@ class WindowSpec:
             windows it opened before for a function of ``accumulate``. Ranks at different
             indices are out of step: a ``Comm`` from [`connect()`][gradaccum.sync.Window.connect]
             puts it in the fingerprint, so they raise before any gradient is sent.
+        epoch: ``AccumState.epoch`` for an ``Accumulator`` (0 otherwise): it goes in the
+            fingerprint with ``index``.
         metrics: The names of the window's metrics (sorted; ``Accumulator.add(metrics=...)``),
             summed over the ranks in the boundary's tail after the weight and failure flag.
 
@@ -67,6 +69,7 @@ class WindowSpec:
     params: Any = None
     fast: bool = False
     index: int = 0
+    epoch: int = 0
     metrics: tuple[str, ...] = ()
 
 
@@ -333,6 +336,7 @@ class Sync:
             weight=weight,
             micro_step=int(sd["micro_step"]),
             window=int(sd["window"]),
+            epoch=int(sd.get("epoch", 0)),
             reduce_state=sd.get("reduce_state"),
             metrics=metrics,
         )

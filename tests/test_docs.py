@@ -181,11 +181,22 @@ def _tested_files():
 
 @pytest.mark.parametrize("name", pages_with("fragment"))
 def test_fragments_are_in_files_the_tests_run(name):
+    check_fragments(DOCS / name)
+
+
+def test_readme_fragments_are_in_files_the_tests_run():
+    """README.md's first python block is the home page's (above); marked ones are checked."""
+    assert any(b.fragment for b in python_blocks(ROOT / "README.md"))
+    check_fragments(ROOT / "README.md")
+
+
+def check_fragments(page):
     tests = _tested_files()
-    for block in python_blocks(DOCS / name):
+    for block in python_blocks(page):
         if block.fragment is None:
             continue
-        where = f"docs/{name}:{block.line}: fragment of {block.fragment}"
+        shown = page.relative_to(ROOT).as_posix() if page.is_relative_to(ROOT) else page.name
+        where = f"{shown}:{block.line}: fragment of {block.fragment}"
         path = ROOT / block.fragment
         assert path.is_file(), f"{where}: no such file in the repository"
         names = {path.name, path.relative_to(ROOT).as_posix()}

@@ -45,8 +45,9 @@ FIX = (
     "that ended early on one rank), so this boundary would combine gradients of different "
     "windows; nothing was reduced. Every rank must run the same number of windows: call each "
     "accumulated function (or finalize) as often on every rank, let "
-    "gradaccum.loop.windows(...) pad a short loader with empty windows, and restore Accumulator "
-    "states from the same checkpoint on every rank."
+    "gradaccum.loop.windows(...) pad a short loader with empty windows (with an Accumulator, "
+    "call acc.end_epoch(state) at each epoch's end so that this is caught), and restore "
+    "Accumulator states from the same checkpoint on every rank."
 )
 
 
@@ -257,3 +258,58 @@ def test_the_window_index_is_in_the_fingerprint_description() -> None:
     assert probe is not None
     window.comm.agree(probe)
     assert probe.desc[0] == "window index 7"
+
+
+def _epochs(rank: int, world: int, end_epoch: bool) -> dict[str, Any]:
+    """The issue's loop: n=4, 21 micro-batches on rank 0 and 20 on rank 1, a bare Accumulator
+    that finalizes a short last window at each epoch's end; each rank stops after 6 windows."""
+    acc = gradaccum.Accumulator(n=4, sync=gradaccum.all_reduce(dist.new_group([0, 1])))
+    state = acc.init(mlp_params())
+    windows: list[tuple[int, int]] = []
+    try:
+        for epoch in range(2):
+            for i in range(21 - rank):
+                state = acc.add(state, _grads(rank, epoch, i), size=1)
+                if acc.is_complete(state):
+                    _, state = acc.finalize(state)
+                    windows.append((epoch, state.window))
+                    if len(windows) == 6:
+                        return {"error": None, "windows": windows}
+            if state.micro_step:  # the short last window (rank 0 only)
+                _, state = acc.finalize(state)
+                windows.append((epoch, state.window))
+                if len(windows) == 6:
+                    return {"error": None, "windows": windows}
+            if end_epoch:
+                state = acc.end_epoch(state)
+        return {"error": None, "windows": windows}
+    except gradaccum.GradAccumError as err:
+        return {"error": str(err), "windows": windows}
+
+
+def test_end_epoch_catches_epochs_of_different_lengths_on_every_rank() -> None:
+    for rank, r in enumerate(values(run(_epochs, True))):
+        at = ("5", "5 of epoch 1")  # rank 0's short last window of epoch 0; rank 1's next
+        assert r["error"] == (
+            f"Accumulator(n=4).finalize(state): the ranks are at different windows: rank {rank} "
+            f"is at window {at[rank]} but rank {1 - rank} at window {at[1 - rank]}. {FIX}"
+        )
+        assert len(r["windows"]) == 5  # the 5 full windows of epoch 0 were reduced together
+
+
+def test_without_end_epoch_a_short_last_window_mixes_epochs_silently() -> None:
+    """What end_epoch is for (and gradaccum.loop.windows does): the index alone stays in step."""
+    r0, r1 = values(run(_epochs, False))
+    assert r0["error"] is None
+    assert r1["error"] is None
+    # The 6th window closed: rank 0's short one of epoch 0, with rank 1's first of epoch 1.
+    assert (r0["windows"][5], r1["windows"][5]) == ((0, 6), (1, 6))
+
+
+def test_end_epoch_refuses_a_window_in_progress() -> None:
+    acc = gradaccum.Accumulator(n=4)
+    state = acc.add(acc.init({"w": torch.zeros(2)}), {"w": torch.ones(2)}, size=1)
+    with pytest.raises(ValueError, match=r"holds 1 micro-batch\(es\) of epoch 0; call grads"):
+        acc.end_epoch(state)
+    _, state = acc.finalize(state)
+    assert acc.end_epoch(state).epoch == 1
