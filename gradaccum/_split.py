@@ -32,15 +32,16 @@ class MicroBatches(Generic[B]):
     mean loss over all the rows.
 
     Args:
-        batches: A non-empty sequence of batch pytrees of one structure (the same dict keys,
+        batches: A sequence of batch pytrees of one structure (the same dict keys,
             tuple lengths and nesting), each with at least one tensor leaf and all tensor
             leaves of one micro-batch sharing their size along dim 0.
 
     Raises:
         TypeError: ``batches`` is not a list or tuple.
-        ValueError: ``batches`` is empty, or a micro-batch's tree differs from micro-batch
-            0's (the message names the micro-batch and the key path of the first difference).
-            When the accumulated function runs: a micro-batch has no tensor leaf or 0 rows.
+        ValueError: A micro-batch's tree differs from micro-batch 0's (the message names the
+            micro-batch and the key path of the first difference). When the accumulated
+            function runs: a micro-batch has no tensor leaf or 0 rows, or ``batches`` is empty
+            without a sync (with one, an empty window joins the boundary with zero weight).
 
     Examples:
         >>> import torch, gradaccum
@@ -59,10 +60,8 @@ class MicroBatches(Generic[B]):
                 f"MicroBatches([mb0, mb1, ...])."
             )
         if len(batches) == 0:
-            raise ValueError(
-                "MicroBatches(batches): expected at least one micro-batch, got an empty "
-                "sequence; pass MicroBatches([mb0, ...]) with one or more micro-batches."
-            )
+            self._batches: tuple[B, ...] = ()  # an empty window: only under a sync (split)
+            return
         first = _tree.flatten(batches[0])[1]
         for i in range(1, len(batches)):
             spec = _tree.flatten(batches[i])[1]
@@ -170,6 +169,12 @@ def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tup
         micro = split(where, opened, n, short_ok=short_ok)
         return [(_close(where, batch, mb), rows) for mb, rows in micro]
     if isinstance(batch, MicroBatches):
+        if not len(batch) and not short_ok:
+            raise ValueError(
+                f"{where}: the MicroBatches is empty; without a sync there is nothing to "
+                f"accumulate: pass MicroBatches([mb0, ...]) with one or more micro-batches (with "
+                f"sync=, an empty MicroBatches joins the boundary with zero weight)."
+            )
         out = []
         first: Any = None
         for i, mb in enumerate(batch):

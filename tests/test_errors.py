@@ -851,11 +851,17 @@ def test_micro_batches_of_a_str() -> None:
 @pytest.mark.parametrize("empty", [[], ()], ids=["list", "tuple"])
 def test_empty_micro_batches(empty: Any) -> None:
     message = (
-        "MicroBatches(batches): expected at least one micro-batch, got an empty sequence; pass "
-        "MicroBatches([mb0, ...]) with one or more micro-batches."
+        "accumulate(f, n=2)(...): the MicroBatches is empty; without a sync there is nothing to "
+        "accumulate: pass MicroBatches([mb0, ...]) with one or more micro-batches (with sync=, "
+        "an empty MicroBatches joins the boundary with zero weight)."
     )
+
+    def f(p: Any, b: Any) -> Any:
+        return {"w": p["w"]}
+
+    step = gradaccum.accumulate(f, 2)
     with raises(ValueError, message):
-        gradaccum.MicroBatches(empty)
+        step({"w": torch.zeros(2)}, gradaccum.MicroBatches(empty))
 
 
 @pytest.mark.parametrize(

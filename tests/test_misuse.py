@@ -768,8 +768,10 @@ for _id, _batches in [
     )
 case(
     "MicroBatches-empty",
-    lambda: {"batches": []},
-    lambda ns: gradaccum.MicroBatches(ns["batches"]),
+    lambda: {"params": params(), "batches": []},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(
+        ns["params"], gradaccum.MicroBatches(ns["batches"])
+    ),
     ValueError,
     "micro-batch",
 )

@@ -77,6 +77,11 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
     step = gradaccum.accumulate(gradaccum.grad(mean_loss), 4, sync=sync)
     only0 = (sum(SPLIT), 0)  # rank 1 empty
     diffs["mean, rank 1 empty"] = max_diff(step(mine, _shard(reg, rank, only0)), ref["mean"])
+    whole = regression_batch(sum(SPLIT))
+    mbs = gradaccum.MicroBatches(
+        [(whole[0][:5], whole[1][:5]), (whole[0][5:], whole[1][5:])] if rank == 0 else []
+    )
+    diffs["mean, rank 1 an empty MicroBatches"] = max_diff(step(mine, mbs), ref["mean"])
     short = (sum(SPLIT) - 2, 2)  # rank 1 shorter than n
     diffs["mean, rank 1 short"] = max_diff(step(mine, _shard(reg, rank, short)), ref["mean"])
     return diffs
@@ -84,7 +89,7 @@ def _fast_equivalence(rank: int, world: int) -> dict[str, float]:
 
 def test_fast_path_equals_one_process_on_the_global_batch() -> None:
     for diffs in values(run(_fast_equivalence)):
-        assert len(diffs) == 2 * 2 * 3 * 3 + 4 + 2
+        assert len(diffs) == 2 * 2 * 3 * 3 + 4 + 3
         bad = {k: v for k, v in diffs.items() if not v < 1e-12}
         assert not bad, bad
 
