@@ -27,7 +27,8 @@ def loss_curves(
     Right: each other curve's absolute difference from the reference, on a log scale, which is
     where "the same training run" shows (float64 differences sit near 1e-15). The PNG's metadata
     holds the curves' SHA-256 (``Data-SHA256``, of the values as JSON), so a test can tell a
-    figure from data it was not drawn from. Returns the path written.
+    figure from data it was not drawn from, and the curves themselves (``Data``, JSON with every
+    float exact; ``read_curves`` reads them back). Returns the path written.
     """
     try:
         import matplotlib
@@ -66,7 +67,9 @@ def loss_curves(
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100, metadata={"Title": title, "Data-SHA256": data_hash(curves)})
+    data = json.dumps({k: [float(v) for v in vs] for k, vs in curves.items()})
+    metadata = {"Title": title, "Data-SHA256": data_hash(curves), "Data": data}
+    fig.savefig(out, dpi=100, metadata=metadata)
     plt.close(fig)
     return out
 
@@ -75,6 +78,16 @@ def data_hash(curves: Mapping[str, Sequence[float]]) -> str:
     """The SHA-256 of the curves, as JSON with the values rounded to 10 significant digits."""
     rounded = {k: [_round(float(v)) for v in vs] for k, vs in curves.items()}
     return hashlib.sha256(json.dumps(rounded, sort_keys=True).encode()).hexdigest()
+
+
+def read_curves(metadata: Mapping[str, str]) -> dict[str, list[float]]:
+    """The curves a PNG of ``loss_curves`` was drawn from, from its text metadata (a dict, as
+    ``tests/png.py``'s ``check`` returns it), checked against its ``Data-SHA256``.
+    """
+    curves = json.loads(metadata["Data"])
+    if data_hash(curves) != metadata["Data-SHA256"]:
+        raise ValueError("read_curves: the PNG's Data does not match its Data-SHA256")
+    return curves
 
 
 def _round(v: float) -> float:

@@ -5,7 +5,9 @@ padding collate function, how each rank's shard and loader are built, the launch
 checks. Each version is a function ``train(job, rank, world) -> (model, scheduler)`` written
 between the markers ``# --- the job: begin ---`` and ``# --- the job: end ---``: that is the
 user code, counted by ``count_lines`` (non-blank lines that are not only a comment, of the
-ruff-formatted file).
+ruff-formatted file). A version may return a third item, its per-window global mean losses
+(floats, or ``StepStats``: ``examples/lm_loop.py`` returns its progress bar's ``history``),
+which ``--plot PATH`` draws beside the reference's.
 
 The job:
 
@@ -21,13 +23,16 @@ The job:
 reference that trains on each whole global window (the same micro-batches of every rank, one
 backward; at most 1e-10 apart), the number of scheduler and optimizer steps against the number of
 windows, and a run stopped at a mid-window checkpoint and resumed against the uninterrupted one
-(``torch.equal``). It exits with status 1 if a check fails.
+(``torch.equal``). It exits with status 1 if a check fails. With ``--plot PATH``, rank 0 also
+writes a PNG of the version's per-window global mean loss beside the reference's (the whole
+window's token-mean loss before each optimizer step), and checks that they agree (<= 1e-10).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import re
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _plot import loss_curves
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
@@ -127,19 +133,20 @@ def warmup(job: Job):
 # -- the reference ------------------------------------------------------------------------------
 
 
-def reference(job: Job, world: int) -> tuple[nn.Module, int, list[int]]:
+def reference(job: Job, world: int) -> tuple[nn.Module, list[float], list[int]]:
     """One process: every global window (the micro-batches of all ranks) in one backward.
 
     The ranks' loaders shuffle with the global RNG, from the same state on every rank (the
     seed, then the model's initialisation); each epoch is replayed here rank by rank.
-    Returns the model, the number of windows and the ranks' micro-batches per epoch.
+    Returns the model, each window's loss (the token mean over the whole global window, before
+    its optimizer step; one per window) and the ranks' micro-batches per epoch.
     """
     torch.manual_seed(job.seed)
     model = TinyLM(job.max_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(job))
     loaders = [loader(job, r, world) for r in range(world)]
-    windows = 0
+    losses = []
     for _ in range(job.epochs):
         state = torch.get_rng_state()
         per_rank = []
@@ -150,13 +157,14 @@ def reference(job: Job, world: int) -> tuple[nn.Module, int, list[int]]:
             micro = [mb for b in per_rank for mb in b[k * job.n : (k + 1) * job.n]]
             parts = [token_loss(model, mb) for mb in micro]
             count = sum(c for _, c in parts)
-            (sum(s for s, _ in parts) / count).backward()
+            loss = sum(s for s, _ in parts) / count
+            loss.backward()
+            losses.append(loss.item())
             nn.utils.clip_grad_norm_(model.parameters(), job.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            windows += 1
-    return model, windows, [len(b) for b in per_rank]
+    return model, losses, [len(b) for b in per_rank]
 
 
 # -- counting lines -----------------------------------------------------------------------------
@@ -183,13 +191,16 @@ def _steps(scheduler: Any) -> tuple[int, int]:
     return scheduler.last_epoch, int(state["step"])
 
 
-def check(train, job: Job, rank: int, world: int, save_at: tuple[int, int] | None) -> bool:
+def check(
+    train, job: Job, rank: int, world: int, save_at: tuple[int, int] | None, plot: str | None
+) -> bool:
     def say(*lines: str) -> None:
         if rank == 0:
             print(*lines, sep="\n", flush=True)
 
-    model, scheduler = train(job, rank, world)
-    ref, windows, lengths = reference(job, world)
+    model, scheduler, *reported = train(job, rank, world)
+    ref, ref_losses, lengths = reference(job, world)
+    windows = len(ref_losses)
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     steps = _steps(scheduler)
     verdict = [diff, float(steps != (windows, windows))]
@@ -204,9 +215,11 @@ def check(train, job: Job, rank: int, world: int, save_at: tuple[int, int] | Non
             folder = _shared_dir(tmp)
             stopped = replace(job, checkpoint=folder, save_at=save_at)
             train(stopped, rank, world)
-            resumed, _ = train(replace(stopped, save_at=None, resume=True), rank, world)
+            resumed = train(replace(stopped, save_at=None, resume=True), rank, world)[0]
             same = all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
         verdict.append(float(not same))
+    if plot:
+        verdict.append(_plot(plot, reported, ref_losses, job, rank, world))
     if dist.is_initialized():
         t = torch.tensor(verdict, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -223,6 +236,35 @@ def check(train, job: Job, rank: int, world: int, save_at: tuple[int, int] | Non
         )
     say("OK" if ok else "FAILED")
     return ok
+
+
+def _plot(
+    path: str, reported: list[Any], ref_losses: list[float], job: Job, rank: int, world: int
+) -> float:
+    """On rank 0, draw the version's per-window losses beside the reference's; 1.0 if they
+    differ by more than the tolerance (or the version reported none), else 0.0.
+    """
+    if rank != 0:
+        return 0.0
+    if not reported:
+        print(f"--plot {path}: train() returned no per-window losses to plot FAILED", flush=True)
+        return 1.0
+    losses = [float(getattr(s, "loss", s)) for s in reported[0]]
+    if len(losses) != len(ref_losses):
+        print(f"--plot: {len(losses)} losses for {len(ref_losses)} windows FAILED", flush=True)
+        return 1.0
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    curves = {"whole-window reference": ref_losses, f"accumulated, n={job.n}": losses}
+    title = f"{job.rows} sequences on {world} process(es), n={job.n}, {job.epochs} epochs"
+    written = loss_curves(
+        path, curves, title=title, xlabel="window (optimizer step)", ylabel="global mean token loss"
+    )
+    print(
+        f"wrote {written}: per-window loss vs the reference: max difference {diff:.3e} "
+        f"{'OK' if diff <= TOLERANCE else 'FAILED'}",
+        flush=True,
+    )
+    return float(diff > TOLERANCE)
 
 
 def _shared_dir(tmp: str) -> str:
@@ -247,7 +289,13 @@ def _environ(rank: int, world: int, port: int) -> None:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, train, job: Job, save_at: tuple[int, int] | None
+    rank: int,
+    world: int,
+    port: int,
+    train,
+    job: Job,
+    save_at: tuple[int, int] | None,
+    plot: str | None,
 ) -> None:
     if port:
         _environ(rank, world, port)
@@ -256,7 +304,7 @@ def _rank_main(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
-        ok = check(train, job, dist.get_rank(), dist.get_world_size(), save_at)
+        ok = check(train, job, dist.get_rank(), dist.get_world_size(), save_at, plot)
     finally:
         dist.destroy_process_group()
     if not ok:
@@ -277,25 +325,32 @@ def main(train, description: str, argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=Job.epochs)
     parser.add_argument("--save-at", default="7,2", help="window,micro-batch of the checkpoint")
     parser.add_argument("--no-resume-check", action="store_true")
+    parser.add_argument(
+        "--plot", metavar="PATH", help="write the per-window loss beside the reference's (PNG)"
+    )
     args = parser.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install -e '.[plot]' (or drop --plot)")
     window, micro = (int(x) for x in args.save_at.split(","))
     job = Job(rows=args.rows, epochs=args.epochs)
     save_at = None if args.no_resume_check else (window, micro)
     if "RANK" in os.environ:  # under torchrun
         try:
-            _rank_main(0, 0, 0, train, job, save_at)
+            _rank_main(0, 0, 0, train, job, save_at, args.plot)
         except SystemExit:
             return 1
         return 0
     world, port = args.nproc, free_port()
     if world == 1:
         try:
-            _rank_main(0, 1, port, train, job, save_at)
+            _rank_main(0, 1, port, train, job, save_at, args.plot)
         except SystemExit:
             return 1
         return 0
     try:
-        mp.start_processes(_rank_main, args=(world, port, train, job, save_at), nprocs=world)
+        mp.start_processes(
+            _rank_main, args=(world, port, train, job, save_at, args.plot), nprocs=world
+        )
     except mp.ProcessExitedException:
         return 1
     return 0

@@ -11,6 +11,8 @@ between the markers (docs/loop.md puts it beside DDP + no_sync and Accelerate).
 It checks itself: against a one-process float64 reference that trains on each whole global
 window (at most 1e-10 apart), one scheduler step per window, and a run stopped at a mid-window
 checkpoint and resumed, against the uninterrupted one (bit-identical). Exit status 1 if not.
+``--plot PATH`` writes the global mean loss of each window (``bar.history``, returned by
+``train``) beside the reference's per-window loss, as a PNG (needs matplotlib).
 
 Run it (a few seconds on 2 CPU cores)::
 
@@ -18,6 +20,7 @@ Run it (a few seconds on 2 CPU cores)::
     python examples/lm_loop.py --nproc 2        # 2 gloo processes on 127.0.0.1
     torchrun --standalone --nproc_per_node 2 examples/lm_loop.py
     python examples/lm_loop.py --nproc 2 --rows 80   # 20 and 20 micro-batches: no empty window
+    python examples/lm_loop.py --nproc 2 --plot loss.png   # its loss beside the reference's
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ def train(job: Job, rank: int, world: int):
                 step.add(batch)
                 if (window.index, step.micro_step) == job.save_at:
                     loop.save(job.checkpoint, step=step, data=data)
-                    return model, scheduler  # stop here, as a crash would
+                    return model, scheduler, bar.history  # stop here, as a crash would
             bar.update(step.apply())  # the global mean token loss, from the boundary
-    return model, scheduler
+    return model, scheduler, bar.history  # bar.history: each window's StepStats
 
 
 # --- the job: end ---

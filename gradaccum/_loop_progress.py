@@ -16,12 +16,25 @@ __all__ = ["Progress", "progress"]
 class Progress:
     """A progress bar of the windows (optimizer steps): see [`progress()`][gradaccum.loop.progress].
 
+    It keeps what it was given, on every rank (the bar shows on rank 0 only; the stats are
+    global, so the same on every rank): the loss curve of the run, for a plot or a log.
+
+    Attributes:
+        bar: The ``tqdm`` bar.
+        history: The [`StepStats`][gradaccum.loop.StepStats] of every window given to
+            [`update()`][gradaccum.loop.Progress.update], in order (a resumed run's from the
+            window it resumed at).
+        last: The last of them, or ``None`` before the first.
+
     Examples:
         >>> from gradaccum.loop import Progress, StepStats
         >>> with Progress(total=2, disable=True) as bar:
         ...     bar.update(StepStats(0, 2.5, 100.0, 4, 0.5, 1e-3, 0.1))
+        ...     bar.update(StepStats(1, 2.25, 100.0, 4, 0.5, 1e-3, 0.1))
         >>> bar.last.loss
-        2.5
+        2.25
+        >>> [stats.loss for stats in bar.history]  # the loss curve
+        [2.5, 2.25]
     """
 
     def __init__(self, total: int | None = None, initial: int = 0, **tqdm_kwargs: Any) -> None:
@@ -33,15 +46,20 @@ class Progress:
             ) from err
         options = {"unit": "step", "dynamic_ncols": True, **tqdm_kwargs}
         self.bar = tqdm(total=total, initial=initial, **options)
+        self.history: list[StepStats] = []
         self.last: StepStats | None = None
 
     def update(self, stats: StepStats) -> None:
-        """Advance by one window; show its global loss, gradient norm, LR and items per second."""
+        """Advance by one window; show its global loss, gradient norm, LR and items per second.
+
+        The stats are appended to ``history`` (and are ``last``) on every rank.
+        """
         if not isinstance(stats, StepStats):
             raise TypeError(
                 f"Progress.update(stats): stats must be what Step.apply() returned, got "
                 f"{describe(stats)}."
             )
+        self.history.append(stats)
         self.last = stats
         self.bar.set_postfix(
             loss=f"{stats.loss:.4f}",
@@ -74,7 +92,8 @@ def progress(data: Any = None, **tqdm_kwargs: Any) -> Progress:
     Its total is ``len(data)`` (every rank agrees on it: call this on every rank), none for
     data without ``len()``; a resumed run starts at the windows already done.
     ``bar.update(stats)`` advances it by one window and shows the window's global loss,
-    gradient norm, learning rate and items (tokens under ``reduction="count"``) per second.
+    gradient norm, learning rate and items (tokens under ``reduction="count"``) per second;
+    ``bar.history`` keeps the stats of every window (the loss curve), on every rank.
 
     Args:
         data: The [`Windows`][gradaccum.loop.Windows] of the loop (or an int: the total).

@@ -8,6 +8,9 @@
   reference on each whole global window (<= 1e-10), one scheduler step per window, and a
   mid-window checkpoint resumed bit-identically: 81 sequences (21 and 20 micro-batches: the
   last window of each epoch empty on rank 1), and 73 (19 and 18: short and uneven).
+- gradaccum's version with ``--plot``: a valid PNG on rank 0 whose curves (read back from its
+  metadata, checked against their hash) are the run's per-window global mean loss and the
+  reference's, at most 1e-10 apart.
 - What docs/loop.md says the anchors get wrong by default, each claim run here.
 """
 
@@ -23,11 +26,13 @@ from pathlib import Path
 import dist
 import pytest
 import torch
+from png import check as png_check
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import lm_job  # noqa: E402
+from _plot import read_curves  # noqa: E402
 
 VERSIONS = {
     "gradaccum": "lm_loop.py",
@@ -97,10 +102,14 @@ CASES = [
     CASES,
     ids=[f"{v.split()[0]}-{p}-proc-{r}-rows" for v, p, r, *_ in CASES],
 )
-def test_versions_are_exact(version, nproc, rows, lengths, windows) -> None:
+def test_versions_are_exact(version, nproc, rows, lengths, windows, tmp_path) -> None:
     if version == "Accelerate":
         pytest.importorskip("accelerate")
     args = ("--nproc", str(nproc), "--rows", str(rows))
+    png = tmp_path / "loss.png"
+    if version == "gradaccum":
+        pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
+        args += ("--plot", str(png))
     out = run_version(VERSIONS[version], *args)
     assert f"micro-batches per rank {lengths}, n=4, 2 epochs: {windows} windows" in out
     assert f"scheduler steps {windows}, optimizer steps {windows}, windows {windows} OK" in out
@@ -109,16 +118,58 @@ def test_versions_are_exact(version, nproc, rows, lengths, windows) -> None:
     assert float(diff.group(1)) <= 1e-10
     assert "after micro-batch 2: bit-identical to the uninterrupted run: True" in out
     assert out.rstrip().endswith("OK")
+    if version == "gradaccum":
+        assert out.count(f"wrote {png}") == 1, out  # rank 0 only
+        assert re.search(r"per-window loss vs the reference: max difference \S+ OK", out), out
+        check_plot(png, windows)
+
+
+def check_plot(png: Path, windows: int) -> None:
+    """The PNG is valid and drawn from its curves: the reference's per-window loss, and the
+    accumulated run's, one per window, at most 1e-10 apart.
+    """
+    curves = read_curves(png_check(png))  # checked against the PNG's Data-SHA256
+    assert list(curves) == ["whole-window reference", "accumulated, n=4"]
+    ref, accumulated = curves.values()
+    assert len(ref) == len(accumulated) == windows
+    assert all(2.0 < loss < 4.0 for loss in ref)  # near log(24): a token loss, not a sum
+    assert max(abs(a - b) for a, b in zip(accumulated, ref)) <= 1e-10
+
+
+def test_plot_refuses_what_it_cannot_draw(tmp_path, capsys) -> None:
+    job = lm_job.Job()
+    png = tmp_path / "loss.png"
+    assert lm_job._plot(str(png), [], [3.0, 2.9], job, 0, 1) == 1.0  # no losses returned
+    assert "train() returned no per-window losses to plot FAILED" in capsys.readouterr().out
+    assert lm_job._plot(str(png), [[3.0]], [3.0, 2.9], job, 0, 1) == 1.0
+    assert "--plot: 1 losses for 2 windows FAILED" in capsys.readouterr().out
+    assert lm_job._plot(str(png), [[3.0]], [3.0], job, 1, 2) == 0.0  # rank 1 draws nothing
+    assert not png.exists()
+
+
+def test_plot_draws_and_checks_the_curves(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
+    png = tmp_path / "loss.png"
+    ref, off = [3.0, 2.9, 2.8], [3.0, 2.9 + 1e-9, 2.8]
+    assert lm_job._plot(str(png), [off], ref, lm_job.Job(), 0, 2) == 1.0  # 1e-9 apart: drawn
+    assert "max difference 1.000e-09 FAILED" in capsys.readouterr().out
+    metadata = png_check(png)
+    assert read_curves(metadata) == {"whole-window reference": ref, "accumulated, n=4": off}
+    metadata["Data"] = metadata["Data"].replace("2.8", "2.7")
+    with pytest.raises(ValueError, match="the PNG's Data does not match its Data-SHA256"):
+        read_curves(metadata)
 
 
 @pytest.mark.slow
-def test_lm_loop_under_torchrun() -> None:
+def test_lm_loop_under_torchrun(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
+    png = tmp_path / "loss.png"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["PYTHONWARNINGS"] = "error"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run(
-        [*cmd, str(EXAMPLES / "lm_loop.py")],
+        [*cmd, str(EXAMPLES / "lm_loop.py"), "--plot", str(png)],
         capture_output=True,
         text=True,
         timeout=170,
@@ -128,6 +179,8 @@ def test_lm_loop_under_torchrun() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "micro-batches per rank [21, 20]" in proc.stdout
     assert proc.stdout.rstrip().endswith("OK")
+    assert proc.stdout.count(f"wrote {png}") == 1, proc.stdout  # rank 0 only
+    check_plot(png, 12)
 
 
 # -- what the anchors get wrong by default (the claims of docs/loop.md) --------------------------

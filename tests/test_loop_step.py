@@ -365,6 +365,8 @@ def test_progress_counts_windows_and_shows_the_loss() -> None:
             bar.update(step.apply())
     assert bar.bar.total == 4
     assert bar.bar.n == 4
+    assert [stats.window for stats in bar.history] == [0, 1, 2, 3]  # every window's stats
+    assert bar.history[-1] is bar.last
     assert f"loss={bar.last.loss:.4f}" in out.getvalue()
     assert "4/4" in out.getvalue()
     with pytest.raises(TypeError, match=r"stats must be what Step.apply\(\) returned"):
@@ -429,6 +431,7 @@ def _uneven_run(rank: int, world: int) -> dict:
         "diff": max_param_diff(model, ref),
         "stats": [(s.window, s.loss, s.items, s.micro_batches, s.grad_norm) for s in stats],
         "bar": bar.bar.disable,
+        "history": bar.history == stats,
         "steps": sched.last_epoch,
         "logs": logs,
     }
@@ -443,6 +446,7 @@ def test_uneven_ranks_match_one_process() -> None:
     assert [s[3] for s in r0["stats"]] == [8, 8, 8, 8, 8, 1] * 2
     assert r0["steps"] == r1["steps"] == 12
     assert (r0["bar"], r1["bar"]) == (False, True)  # the bar is rank 0's
+    assert (r0["history"], r1["history"]) == (True, True)  # kept on every rank
     # The statistics ride the gradients' boundary collective: no collective of their own.
     # (The windows' agreement on lengths, at each epoch's start, runs when the loop asks for
     # the epoch's first window: outside these logs; test_loop_windows.py counts it.)
