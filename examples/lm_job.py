@@ -305,6 +305,7 @@ def _rank_main(
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         ok = check(train, job, dist.get_rank(), dist.get_world_size(), save_at, plot)
+        dist.barrier()  # nothing in flight when the first rank tears its connections down
     finally:
         dist.destroy_process_group()
     if not ok:
