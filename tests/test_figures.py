@@ -78,7 +78,7 @@ def test_figure_redraws_from_its_data(name: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXAMPLE_FIGURES))
 def test_example_figure_is_what_the_example_draws_today(name: str, tmp_path: Path) -> None:
-    # The curves are hashed (rounded to 10 digits) in the PNG: rerunning the example must give
+    # The curves are hashed (rounded to 10 digits) in the PNG: the example run here must draw
     # the same ones, or the figure on the page shows another run than the code makes.
     pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
     pytest.importorskip("tqdm", reason="the examples need the [examples] extra")
