@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import _tree
 from ._buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
 from ._comm import Check, Probe, bucket_what, check_options, fill_tail, positive
 from ._errors import describe, is_broken, is_mesh
@@ -44,6 +45,8 @@ class AllReduce(Sync):
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
     _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
+    # Flat buckets kept between windows, as DDP keeps its buckets (see BucketWindow.storage).
+    _spare: dict[Any, Spare] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
         """The buckets the boundary would all-reduce for gradients shaped like ``params``.
@@ -97,19 +100,32 @@ class BucketWindow(Window):
         self.extra = len(spec.metrics)  # the tail bucket's metric sums, after [weight, failed]
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
+        self.own: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # storage()'s
         self.opened = False
         self.bufs: list[torch.Tensor | None] = []
         self.works: list[Any] = []  # in launch order
 
     def storage(self, zero: bool) -> list[torch.Tensor]:
-        """Views into fresh flat buckets (zeroed, or uninitialised)."""
-        lay, plan = self.layout, self.plan
-        views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets):
-            size = b.numel + self.extra * b.tail
-            buf = (torch.zeros if zero else torch.empty)(size, dtype=b.dtype, device=b.device)
-            for i, off in zip(members, offsets):
-                views[i] = buf[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+        """Views into flat buckets (zeroed, or uninitialised) that nothing else references.
+
+        The buckets of an earlier window are reused once no tensor holds their memory any more
+        (the gradients it returned, and the ``.grad`` that ``write_grads`` set from them, have
+        been dropped): a storage's reference count says so. Otherwise new ones are allocated.
+        """
+        plan = self.plan
+        spare = self.sync._spare.get((self.layout, self.extra))
+        if spare is None or spare.plan is not plan:
+            spare = self.sync._spare[(self.layout, self.extra)] = Spare(plan, self.layout)
+        bufs = spare.take(self.extra)
+        if zero:
+            for buf in bufs:
+                buf.zero_()
+        views: list[torch.Tensor] = [torch.empty(0)] * len(self.layout.shapes)
+        for buf, members, metas in zip(bufs, plan.members, spare.metas):
+            if members:
+                for i, v in zip(members, _unflatten(buf, metas)):
+                    views[i] = v
+        self.own = (bufs, views)
         return views
 
     def last(self) -> None:
@@ -128,10 +144,15 @@ class BucketWindow(Window):
             extra += ("the bucket order is agreed at this boundary",)
         desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
         self.probe = self.comm.probe(desc, plan.buckets[0].device)
-        self.bufs = [
-            bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
-            for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
-        ]
+        own = self.own
+        if own is not None and all(a is b for a, b in zip(sums, own[1])):
+            self.bufs = list(own[0])  # the views storage() made: no need to check them
+        else:
+            self.own = None
+            self.bufs = [
+                bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
+                for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
+            ]
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
 
@@ -189,6 +210,16 @@ class BucketWindow(Window):
                 self._agree_order()
         return self.normalised(total)
 
+    def normalised(self, total: Any) -> Any:
+        """As ``Window.normalised``; the sums in this window's own buckets are divided flat."""
+        lay = self.layout
+        if self.own is None or not lay.same_dtypes or self.spec.reduction == "sum":
+            return super().normalised(total)
+        with torch.no_grad():
+            if not (isinstance(total, (int, float)) and total == 1):
+                torch._foreach_div_(self.own[0], total)  # the tails too: read already
+        return _tree.unflatten(lay.spec, self.own[1])
+
     def _agree_order(self) -> None:
         """Re-plan the buckets in the order the sums became final, agreed over the ranks.
 
@@ -216,6 +247,44 @@ class BucketWindow(Window):
         """Join the boundary flagged as failed, unless a collective of the group failed."""
         if not is_broken(self.sync.group):
             self.finish(weight, failed=True)
+
+
+class Spare:
+    """The flat buckets of a plan kept between windows.
+
+    At most two sets: the caller may still hold one while the next window runs.
+    """
+
+    def __init__(self, plan: Plan, lay: Any) -> None:
+        self.plan = plan
+        self.sets: list[tuple[list[torch.Tensor], list[int]]] = []  # buffers, their ref counts
+        # Shape-only tensors for each bucket's members, to cut the views in one call.
+        self.metas = [
+            [torch.empty(lay.shapes[i], device="meta") for i in members] for members in plan.members
+        ]
+
+    def take(self, extra: int) -> list[torch.Tensor]:
+        """A set of buffers nothing else references, or a new one."""
+        for bufs, counts in self.sets:
+            if all(_refs(b) == c for b, c in zip(bufs, counts)):
+                return bufs
+        bufs = [
+            torch.empty(b.numel + extra * b.tail, dtype=b.dtype, device=b.device)
+            for b in self.plan.buckets
+        ]
+        if len(self.sets) < 2:
+            self.sets.append((bufs, [_refs(b) for b in bufs]))
+        return bufs
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like``, one after the other (one call for all of them)."""
+    return list(torch._C._nn.unflatten_dense_tensors(flat, like))
+
+
+def _refs(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s memory (views and detached copies included)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 def all_reduce(

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 import re
+import weakref
 from collections.abc import Iterator
 from itertools import zip_longest
 from typing import Any, Literal, NamedTuple
@@ -154,7 +155,10 @@ class Comm:
         what: str = "sync=all_reduce()",
         window: Any = None,
     ) -> None:
-        self.where, self.timeout, self.check, self.window = where, timeout, check, window
+        self.where, self.timeout, self.check = where, timeout, check
+        # Weakly: a window holds its Comm, and a cycle would keep the window's buckets alive
+        # until the garbage collector runs (so that they could not be reused by the next one).
+        self.window: Any = weakref.proxy(window) if window is not None else None
         group, self.dim = group if isinstance(group, Axis) else axis(where, group)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(

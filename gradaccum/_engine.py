@@ -136,6 +136,10 @@ def _fast(
     def on_ready(i: int, _leaf: torch.Tensor) -> None:
         window.ready(i)
 
+    def on_first_ready(i: int, leaf: torch.Tensor) -> None:  # a window of one micro-batch
+        on_first(i, leaf)
+        window.ready(i)
+
     def hook(fn: Callable[..., None], i: int, leaf: torch.Tensor) -> Any:
         return leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
             functools.partial(fn, i)
@@ -146,6 +150,8 @@ def _fast(
     wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
     prescale = sum(r for _, r in micro) if window.prescale and wide and reduction == "mean" else 0
     last, params = len(micro) - 1, None
+    # One micro-batch with overlap: one hook per leaf both moves its gradient and reports it.
+    both = last == 0 and moving and window.overlap
     try:
         for j, (mb, rows) in enumerate(micro):
             p = window.params(j, given)
@@ -160,9 +166,8 @@ def _fast(
                 hooks.extend(hook(on_grad, i, x) for i, x in enumerate(leaves) if not native[i])
                 if j == 0:
                     if moving:
-                        first.extend(
-                            hook(on_first, i, x) for i, x in enumerate(leaves) if native[i]
-                        )
+                        on = on_first_ready if both else on_first
+                        first.extend(hook(on, i, x) for i, x in enumerate(leaves) if native[i])
                 else:  # the running sums carry over to the new leaves
                     assert window.sums is not None
                     for i, leaf in enumerate(leaves):
@@ -175,7 +180,11 @@ def _fast(
             if j == last:
                 window.last()  # a sync may open its boundary before the last backward
                 if window.overlap:
-                    hooks.extend(hook(on_ready, i, leaf) for i, leaf in enumerate(leaves))
+                    hooks.extend(
+                        hook(on_ready, i, x)
+                        for i, x in enumerate(leaves)
+                        if not (both and native[i])
+                    )
             if leaves and value.requires_grad:
                 seed = None
                 if direct:

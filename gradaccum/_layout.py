@@ -15,6 +15,7 @@ from ._errors import check_not_dtensor, describe, dtype_name
 __all__ = ["Layout", "check_grads", "make_layout", "micro_weight", "weigh", "with_accum"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass (a DTensor is one)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,19 @@ class Layout:
     dtypes: tuple[torch.dtype, ...]
     accum_dtypes: tuple[torch.dtype, ...]
     devices: tuple[torch.device, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "same_dtypes", self.accum_dtypes == self.dtypes)
+
+    same_dtypes: bool = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # hashed once: layouts key the syncs' plan caches
+        h = self.__dict__.get("_hash")
+        if h is None:
+            fields = (self.spec, self.paths, self.shapes, self.dtypes, self.accum_dtypes)
+            h = hash((*fields, self.devices))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def zeros(self, i: int) -> torch.Tensor:
         """Zeros for leaf ``i``'s running sum: its shape, accumulation dtype and device."""
@@ -60,6 +74,8 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
     """Describe the gradient tree from ``params``, validating that its leaves are float tensors."""
     paths, leaves, spec = _tree.flatten_with_paths(params)
     for path, leaf in zip(paths, leaves):
+        if type(leaf) in _PLAIN and leaf.is_floating_point():
+            continue  # the common case, checked without building the messages' arguments
         check_not_dtensor(where, f"params leaf {path}", leaf)
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
@@ -73,7 +89,7 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
                 f"another argument of step_fn)."
             )
     dtypes = tuple(x.dtype for x in leaves)
-    return Layout(
+    lay = Layout(
         spec=spec,
         paths=tuple(paths),
         shapes=tuple(x.shape for x in leaves),
@@ -81,6 +97,15 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
         accum_dtypes=_accum_dtypes(dtypes, accum_dtype),
         devices=tuple(x.device for x in leaves),
     )
+    # The same object for equal layouts, so that later lookups compare by identity.
+    if torch.compiler.is_compiling():
+        return lay
+    if len(_LAYOUTS) >= 256:
+        _LAYOUTS.clear()
+    return _LAYOUTS.setdefault(lay, lay)
+
+
+_LAYOUTS: dict[Layout, Layout] = {}
 
 
 def _accum_dtypes(

@@ -304,7 +304,8 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
     _check_module(where, module)
     named = {k: v for k, v in module.named_parameters() if v.requires_grad}
     for k, p in named.items():
-        check_not_dtensor(where, f"the module's parameter {k!r}", p)
+        if type(p) is not torch.nn.Parameter:  # a plain Parameter is not a DTensor
+            check_not_dtensor(where, f"the module's parameter {k!r}", p)
     if not isinstance(grads, Mapping):
         raise TypeError(
             f"{where}: grads must be a dict of tensors by parameter name, got {describe(grads)}; "
@@ -329,4 +330,5 @@ def write_grads(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
                 f"floating tensors. Compute grads with respect to gradaccum.params_of(module)."
             )
     for k, p in named.items():
-        p.grad = grads[k].detach().to(p.dtype)
+        g = grads[k]
+        p.grad = g if g.dtype == p.dtype and not g.requires_grad else g.detach().to(p.dtype)

@@ -206,6 +206,8 @@ def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tup
             f"{where}: n={n} micro-batches is more than the {rows} rows of the batch, so some "
             f"micro-batches would be empty; pass n <= {rows}, or a larger batch."
         )
+    if n == 1:  # the batch is its one micro-batch, as given
+        return [(batch, rows)]
     if rows % n == 0:
         parts = [
             einops.rearrange(x, "(n b) ... -> n b ...", n=n).unbind(0)

@@ -11,6 +11,7 @@ from typing import Any
 
 import optree
 from optree import PyTreeSpec
+from torch.compiler import is_compiling
 
 __all__ = [
     "PyTreeSpec",
@@ -46,8 +47,25 @@ def keystr(path: tuple[Any, ...]) -> str:
 
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], PyTreeSpec]:
     """Key-path strings, leaves and structure, in the canonical flat order."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    return [keystr(p) for p in paths], leaves, spec
+    if is_compiling():  # traced: no cache (Dynamo does not hash a PyTreeSpec)
+        keys, leaves, spec = optree.tree_flatten_with_path(tree)
+        return [keystr(p) for p in keys], leaves, spec
+    leaves, spec = optree.tree_flatten(tree)
+    try:
+        paths = _PATHS.get(spec)
+        cache = True
+    except TypeError:  # a custom node with unhashable metadata: no cache
+        paths, cache = None, False
+    if paths is None:  # the key paths depend on the structure only: built once per structure
+        paths = [keystr(p) for p in optree.tree_flatten_with_path(tree)[0]]
+        if cache:
+            if len(_PATHS) >= 256:
+                _PATHS.clear()
+            _PATHS[spec] = paths
+    return list(paths), leaves, spec
+
+
+_PATHS: dict[PyTreeSpec, list[str]] = {}
 
 
 def none_paths(tree: Any) -> list[str]:

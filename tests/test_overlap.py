@@ -303,3 +303,65 @@ def test_an_error_in_the_overlapped_backward_fails_every_rank() -> None:
     ), r0["first"]
     assert r0["after"] < 1e-12
     assert r1["after"] < 1e-12
+
+
+def _reuse(rank: int, world: int) -> dict[str, Any]:
+    """The sync keeps its flat buckets between windows and reuses them only when nothing else
+    holds them: a gradient, a view or detached copy of one, or a .grad that write_grads set."""
+    params = mlp_params(kind="dict")
+    step = gradaccum.accumulate(gradaccum.grad(mean_loss), 2, sync=gradaccum.all_reduce())
+    batches = [regression_batch(sum(SPLIT), seed=s) for s in range(6)]
+    refs = [grad(mean_loss)(params, b) for b in batches]
+
+    def ptr(g: dict[str, torch.Tensor]) -> int:
+        return g["w1"].untyped_storage().data_ptr()
+
+    out: dict[str, Any] = {}
+    step(params, _shard(batches[5], rank))  # the first window settles the bucket order (plan)
+    g0 = step(params, _shard(batches[0], rank))
+    g1 = step(params, _shard(batches[1], rank))  # g0 held: another buffer
+    kept = g1["w1"].detach()  # a detached copy holds g1's buffer too
+    p0, p1 = ptr(g0), ptr(g1)
+    del g1
+    g2 = step(params, _shard(batches[2], rank))  # both held: a third buffer
+    out["three buffers"] = len({p0, p1, ptr(g2)}) == 3
+    out["held ones unchanged"] = max(
+        max_diff(g0, refs[0]), float((kept - refs[1]["w1"]).abs().max()), max_diff(g2, refs[2])
+    )
+    del g0
+    g3 = step(params, _shard(batches[3], rank))  # g0's buffer is free again
+    out["reused the free one"] = ptr(g3) == p0
+    out["after reuse"] = max(
+        max_diff(g3, refs[3]), float((kept - refs[1]["w1"]).abs().max()), max_diff(g2, refs[2])
+    )
+    # A .grad set by write_grads holds the buffer after the gradients are dropped.
+    model = torch.nn.Linear(3, 2)
+    mparams = gradaccum.params_of(model)
+    mstep = gradaccum.accumulate(
+        gradaccum.grad(lambda p, b: torch.func.functional_call(model, p, (b,)).pow(2).mean()),
+        1,
+        sync=gradaccum.all_reduce(),
+    )
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    g = mstep(mparams, x)
+    gradaccum.write_grads(model, g)
+    before = model.weight.grad.clone()
+    del g
+    ptrs = set()
+    for _ in range(3):
+        g = mstep(mparams, 2 * x)
+        ptrs.add(ptr({"w1": g["weight"]}))
+        del g
+    out["a .grad is never overwritten"] = torch.equal(model.weight.grad, before)
+    out["released buffers cycle"] = len(ptrs)
+    return out
+
+
+def test_buckets_are_reused_only_when_nothing_else_holds_them() -> None:
+    for out in values(run(_reuse)):
+        assert out["three buffers"], out
+        assert out["reused the free one"], out
+        assert out["held ones unchanged"] < 1e-12, out
+        assert out["after reuse"] < 1e-12, out
+        assert out["a .grad is never overwritten"], out
+        assert out["released buffers cycle"] == 1, out  # the one free set, every time
