@@ -29,7 +29,8 @@ class AllReduce(Sync):
     Make one with [`all_reduce()`][gradaccum.all_reduce] and pass it as ``sync=`` to
     [`accumulate()`][gradaccum.accumulate] or [`Accumulator`][gradaccum.Accumulator]. See
     [`all_reduce()`][gradaccum.all_reduce] for the options and the contract. It caches the
-    bucket plan of each gradient layout, so build it once and reuse it for every window.
+    bucket plan of each gradient layout, and keeps the flat buckets between windows (reused
+    only once no tensor shares their memory), so build it once and reuse it for every window.
 
     Examples:
         >>> import gradaccum
@@ -45,6 +46,8 @@ class AllReduce(Sync):
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
     _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
+    # The last total weight of a mean window per layout: the next window's Window.hint.
+    _totals: dict[Any, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Flat buckets kept between windows, as DDP keeps its buckets (see BucketWindow.storage).
     _spare: dict[Any, Spare] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -101,6 +104,13 @@ class BucketWindow(Window):
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.own: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # storage()'s
+        # The fast path under "mean" divides each backward by the last window's total weight,
+        # which every rank has from the same all-reduce; finish() scales by hint / total, which
+        # is 1 (no pass over the gradients) while the global batch keeps its size. Decided from
+        # the spec alone, so an empty rank, whose fast path does not run, decides the same.
+        wide = all(d in (torch.float32, torch.float64) for d in spec.layout.accum_dtypes)
+        if spec.fast and spec.reduction == "mean" and wide:
+            self.hint = sync._totals.get(spec.layout)
         self.opened = False
         self.bufs: list[torch.Tensor | None] = []
         self.works: list[Any] = []  # in launch order
@@ -206,13 +216,21 @@ class BucketWindow(Window):
             summed = tail.tolist()
             total = self.comm.settle(summed, self.spec.reduction, failed)
             self.totals = (total, summed[TAIL:])
+            if self.spec.fast and self.spec.reduction == "mean" and not failed:
+                # Reached on every rank or on none (settle raises where another rank failed).
+                self.sync._totals[self.layout] = total
             if self.reorder and not failed:
                 self._agree_order()
         return self.normalised(total)
 
     def normalised(self, total: Any) -> Any:
-        """As ``Window.normalised``; the sums in this window's own buckets are divided flat."""
+        """As ``Window.normalised``; the sums in this window's own buckets are divided flat.
+
+        With a ``hint``, the sums were divided by it already: they are scaled by hint / total.
+        """
         lay = self.layout
+        if self.hint:
+            total = total / self.hint
         if self.own is None or not lay.same_dtypes or self.spec.reduction == "sum":
             return super().normalised(total)
         with torch.no_grad():

@@ -64,6 +64,9 @@ def run(
         return
     window = win.window
     given = args[argnum] if argnum is not None else None
+    lay = window.layout
+    wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
+    hint = window.hint if wide and reduction == "mean" else None  # as on the fast path
     for j, (mb, rows) in enumerate(micro):
         cur = _with_params(args, argnum, window.params(j, given), given)
         try:
@@ -78,7 +81,7 @@ def run(
             grads = micro_transform(grads)
         raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
         what = call if micro_transform is None else f"{call} after micro_transform"
-        window.add(check_grads(what, window.layout, grads), alpha)
+        window.add(check_grads(what, window.layout, grads), alpha / hint if hint else alpha)
         window.step()
         _count(win, weight)
         if aux_acc is not None:
@@ -149,6 +152,9 @@ def _fast(
     # are the mean already. Not in float16/bfloat16, which would round otherwise than a sync.
     wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
     prescale = sum(r for _, r in micro) if window.prescale and wide and reduction == "mean" else 0
+    hint = window.hint if wide and reduction == "mean" else None
+    if hint:  # Window.hint (a sync, mean): the ranks' agreed guess of the global total
+        prescale = hint
     last, params = len(micro) - 1, None
     # One micro-batch with overlap: one hook per leaf both moves its gradient and reports it.
     both = last == 0 and moving and window.overlap
@@ -208,7 +214,7 @@ def _fast(
             if aux_acc is not None:
                 aux_acc.add(aux, rows, items, raw)
             del value, aux, raw, mb
-        if prescale:  # the sums are the mean already
+        if prescale and not hint:  # the sums are the mean already
             assert win.state is not None
             win.state = win.state._replace(weight=1)
     finally:

@@ -106,6 +106,9 @@ class Window:
     """
 
     prescale = False  # one process, mean: the fast path may scale each backward by rows/total
+    # Under a sync, mean: a total weight that every rank expects (the last window's), by which
+    # the fast path divides each backward's rows; the window then scales by hint/total.
+    hint: float | None = None
     overlap = False  # call ready(i) during the window's last backward
 
     def __init__(self, spec: WindowSpec) -> None:

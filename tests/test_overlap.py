@@ -365,3 +365,43 @@ def test_buckets_are_reused_only_when_nothing_else_holds_them() -> None:
         assert out["after reuse"] < 1e-12, out
         assert out["a .grad is never overwritten"], out
         assert out["released buffers cycle"] == 1, out  # the one free set, every time
+
+
+def _hinted(rank: int, world: int) -> dict[str, Any]:
+    """Under "mean", the fast path divides each backward by the last window's global rows (the
+    same number on every rank), so the boundary makes no pass over the gradients while the global
+    batch keeps its size, and scales by hint / total when it changes."""
+    params = mlp_params(kind="dict")
+    sync = gradaccum.all_reduce(bucket_mb=1e-5)
+    step = gradaccum.accumulate(gradaccum.grad(mean_loss), 3, sync=sync)
+    passes = [0]
+    real = torch._foreach_div_
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        passes[0] += 1
+        return real(*args, **kwargs)
+
+    out: dict[str, Any] = {}
+    splits = [(11, 6), (11, 6), (11, 6), (4, 3), (0, 9), (9, 0), (12, 12), (12, 12)]
+    torch._foreach_div_ = spy  # type: ignore[assignment]
+    try:
+        for w, split in enumerate(splits):
+            batch = regression_batch(sum(split), seed=w)
+            passes[0] = 0
+            g = step(params, _shard(batch, rank, split))
+            out[f"window {w} {split}"] = (
+                max_diff(g, grad(mean_loss)(params, batch)),
+                passes[0],
+            )
+    finally:
+        torch._foreach_div_ = real  # type: ignore[assignment]
+    return out
+
+
+def test_mean_windows_are_exact_when_the_global_batch_changes() -> None:
+    for out in values(run(_hinted)):
+        assert len(out) == 8, out
+        assert all(diff < 1e-12 for diff, _ in out.values()), out
+        passes = [p for _, p in out.values()]
+        # A pass where the global rows differ from the last window's (or there is none).
+        assert passes == [1, 0, 0, 1, 1, 0, 1, 0], out
