@@ -151,7 +151,9 @@ def _fast(
     # Window.prescale (one process, mean): seed each backward with rows / total rows, so the sums
     # are the mean already. Not in float16/bfloat16, which would round otherwise than a sync.
     wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
-    prescale = sum(r for _, r in micro) if window.prescale and wide and reduction == "mean" else 0
+    prescale: float = 0
+    if window.prescale and wide and reduction == "mean":
+        prescale = sum(r for _, r in micro)
     hint = window.hint if wide and reduction == "mean" else None
     if hint:  # Window.hint (a sync, mean): the ranks' agreed guess of the global total
         prescale = hint

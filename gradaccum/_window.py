@@ -89,6 +89,10 @@ class Window:
             replaces it).
         metrics: This rank's metric sums (0-dim tensors, in ``spec.metrics`` order), set by the
             core before ``finish``; ``[]`` without metrics.
+        hint: ``None``, or (``mean`` only) a global weight that every rank expects: the core then
+            divides each micro-batch's gradient by it, and ``finish`` must scale the summed
+            gradients by ``hint / total`` instead of dividing by ``total``. Decide it from the
+            spec alone, the same on every rank.
         totals: Set at the boundary: ``(weight, metrics)`` summed over the ranks (a number or
             0-dim tensor, and a list in ``spec.metrics`` order). ``Comm.exchange`` of a
             [`connect()`][gradaccum.sync.Window.connect]-ed ``Comm`` sets it, and so does the
