@@ -112,6 +112,7 @@ class BucketWindow(Window):
         if spec.fast and spec.reduction == "mean" and wide:
             self.hint = sync._totals.get(spec.layout)
         self.opened = False
+        self.sealed = False  # the tail holds the final weight and "no failure" (seal)
         self.bufs: list[torch.Tensor | None] = []
         self.works: list[Any] = []  # in launch order
 
@@ -166,6 +167,17 @@ class BucketWindow(Window):
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
 
+    def seal(self, weight: Any) -> None:
+        """The weight is final: fill the tail now, so that ``ready`` launches its bucket too.
+
+        The last bucket then starts as the backward ends, as DDP's does, not after it returns.
+        """
+        tail_buf = self.bufs[self.tail_k] if self.bufs else None
+        if tail_buf is None or self.extra:  # restored sums, or metrics still to come
+            return
+        fill_tail(tail_buf[-TAIL:], weight, False, ())
+        self.sealed = True
+
     def ready(self, i: int) -> None:
         """Leaf ``i``'s sum is final: launch every bucket that is now ready, in order."""
         if self.reorder:
@@ -173,7 +185,7 @@ class BucketWindow(Window):
         k = self.bucket_of_leaf[i]
         self.remaining[k] -= 1
         if self.remaining[k] == 0:
-            while len(self.works) < len(self.order) - 1:
+            while len(self.works) < len(self.order) - (0 if self.sealed else 1):
                 nxt = self.order[len(self.works)]
                 if self.remaining[nxt] > 0 or self.bufs[nxt] is None:
                     break
@@ -205,7 +217,8 @@ class BucketWindow(Window):
             tail_buf = self.bufs[self.tail_k]
             assert tail_buf is not None
             tail = tail_buf[-TAIL - self.extra :]
-            fill_tail(tail, weight, failed, self.metrics)
+            if len(self.works) < len(self.order):  # the tail bucket is not sent yet
+                fill_tail(tail, weight, failed, self.metrics)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):

@@ -186,7 +186,14 @@ def _fast(
             raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
             scale: float = alpha / prescale if prescale else alpha
             if j == last:
+                # Counted before the backward, so that nothing that can fail runs after it: a
+                # sync may send the weight (and "no failure") during it (Window.seal).
+                _count(win, weight)
+                if aux_acc is not None:
+                    aux_acc.add(aux, rows, items, raw)
                 window.last()  # a sync may open its boundary before the last backward
+                assert win.state is not None
+                window.seal(win.state.weight)
                 if window.overlap:
                     hooks.extend(
                         hook(on_ready, i, x)
@@ -212,9 +219,10 @@ def _fast(
                     if native[i] and i not in adopted:  # not moved by a hook, or no gradient
                         leaf.grad = window.adopt(i, leaf.grad)
             window.step()
-            _count(win, weight)
-            if aux_acc is not None:
-                aux_acc.add(aux, rows, items, raw)
+            if j != last:
+                _count(win, weight)
+                if aux_acc is not None:
+                    aux_acc.add(aux, rows, items, raw)
             del value, aux, raw, mb
         if prescale and not hint:  # the sums are the mean already
             assert win.state is not None

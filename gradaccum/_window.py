@@ -220,6 +220,13 @@ class Window:
     def last(self) -> None:
         """The coming backward is the window's last (a sync may open its boundary here)."""
 
+    def seal(self, weight: _reduce.Weight) -> None:
+        """After ``last()``, before the last backward: the window's weight is final (``weight``).
+
+        Nothing that can fail runs between the end of that backward and ``finish`` with the same
+        weight, so a sync may send its boundary's weight and "no failure" from ``ready`` on.
+        """
+
     def ready(self, i: int) -> None:
         """During the last backward (with ``overlap``): leaf ``i``'s running sum is final."""
 

@@ -160,9 +160,8 @@ def test_overlap_launches_buckets_during_the_last_backward_only(overlap: bool) -
             assert [s[2] for s in grads] == order  # one all_reduce per bucket, in plan order
             assert all(s[0] == 4 for s in window["seen"])  # nothing before the last micro-batch
             inside = [s[1] for s in grads[: len(plan)]]
-            assert inside[-1] is False  # the bucket with the weight: after the backward
-            if overlap:
-                assert inside[0] is True  # the first bucket: during the last backward
+            if overlap:  # every bucket during the last backward, the one with the weight too
+                assert all(inside), inside  # (the weight is final before that backward)
             else:
                 assert not any(inside)
             assert [n for _, n in window["log"]] == [s[2] for s in window["seen"]]
@@ -405,3 +404,41 @@ def test_mean_windows_are_exact_when_the_global_batch_changes() -> None:
         passes = [p for _, p in out.values()]
         # A pass where the global rows differ from the last window's (or there is none).
         assert passes == [1, 0, 0, 1, 1, 0, 1, 0], out
+
+
+def _aux_fails_last(rank: int, world: int) -> dict[str, Any]:
+    """The last micro-batch's aux is counted before its backward, whose hooks may send the
+    bucket with the weight and "no failure": an error there still reaches every rank."""
+    forwards = [0]
+
+    def loss_fn(p: Any, b: Any) -> tuple[torch.Tensor, Any]:
+        forwards[0] += 1
+        loss = mean_loss(p, b)
+        if rank == 1 and forwards[0] == 3:  # the last micro-batch: an aux of another structure
+            return loss, {"loss": loss.detach(), "extra": loss.detach()}
+        return loss, {"loss": loss.detach()}
+
+    params = mlp_params(kind="dict")
+    sync = gradaccum.all_reduce(bucket_mb=1e-5, timeout=30)
+    step = gradaccum.accumulate(gradaccum.grad(loss_fn, has_aux=True), 3, has_aux=True, sync=sync)
+    batch = regression_batch(sum(SPLIT))
+    out: dict[str, Any] = {}
+    try:
+        step(params, _shard(batch, rank))
+        out["first"] = "returned"
+    except Exception as err:  # noqa: BLE001 - sent back to the test
+        out["first"] = f"{type(err).__name__}: {err}"
+    forwards[0] = 10  # no more failures: the group is still usable for the next window
+    g, _ = step(params, _shard(batch, rank))
+    out["after"] = max_diff(g, grad(mean_loss)(params, batch))
+    return out
+
+
+def test_an_error_in_the_last_micro_batchs_aux_fails_every_rank() -> None:
+    r0, r1 = values(run(_aux_fails_last))
+    assert r1["first"].startswith("ValueError"), r1["first"]
+    assert "aux" in r1["first"], r1["first"]
+    assert r0["first"].startswith("GradAccumError"), r0["first"]
+    assert "1 other rank(s) of the 2 in the group raised" in r0["first"], r0["first"]
+    assert r0["after"] < 1e-12
+    assert r1["after"] < 1e-12
