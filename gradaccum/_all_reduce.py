@@ -134,7 +134,7 @@ class BucketWindow(Window):
         views: list[torch.Tensor] = [torch.empty(0)] * len(self.layout.shapes)
         for buf, members, metas in zip(bufs, plan.members, spare.metas):
             if members:
-                for i, v in zip(members, _unflatten(buf, metas)):
+                for i, v in zip(members, torch._C._nn.unflatten_dense_tensors(buf, metas)):
                     views[i] = v
         self.own = (bufs, views)
         return views
@@ -306,11 +306,6 @@ class Spare:
         if len(self.sets) < 2:
             self.sets.append((bufs, [_refs(b) for b in bufs]))
         return bufs
-
-
-def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped as ``like``, one after the other (one call for all of them)."""
-    return list(torch._C._nn.unflatten_dense_tensors(flat, like))
 
 
 def _refs(t: torch.Tensor) -> int:

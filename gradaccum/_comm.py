@@ -156,8 +156,7 @@ class Comm:
         window: Any = None,
     ) -> None:
         self.where, self.timeout, self.check = where, timeout, check
-        # Weakly: a window holds its Comm, and a cycle would keep the window's buckets alive
-        # until the garbage collector runs (so that they could not be reused by the next one).
+        # Weakly: a window holds its Comm; a cycle would keep its buckets alive until a GC pass.
         self.window: Any = weakref.proxy(window) if window is not None else None
         group, self.dim = group if isinstance(group, Axis) else axis(where, group)
         if not dist.is_available() or not dist.is_initialized():
