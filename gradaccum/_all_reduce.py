@@ -108,8 +108,8 @@ class BucketWindow(Window):
         # which every rank has from the same all-reduce; finish() scales by hint / total, which
         # is 1 (no pass over the gradients) while the global batch keeps its size. Decided from
         # the spec alone, so an empty rank, whose fast path does not run, decides the same.
-        wide = all(d in (torch.float32, torch.float64) for d in spec.layout.accum_dtypes)
-        if spec.fast and spec.reduction == "mean" and wide:
+        self.hinted = spec.fast and spec.reduction == "mean" and spec.layout.wide
+        if self.hinted:
             self.hint = sync._totals.get(spec.layout)
         self.opened = False
         self.sealed = False  # the tail holds the final weight and "no failure" (seal)
@@ -124,10 +124,11 @@ class BucketWindow(Window):
         been dropped): a storage's reference count says so. Otherwise new ones are allocated.
         """
         plan = self.plan
-        spare = self.sync._spare.get((self.layout, self.extra))
+        key = (self.layout, self.extra)
+        spare = self.sync._spare.get(key)
         if spare is None or spare.plan is not plan:
-            spare = self.sync._spare[(self.layout, self.extra)] = Spare(plan, self.layout)
-        bufs = spare.take(self.extra)
+            spare = self.sync._spare[key] = Spare(plan, self.layout, self.extra)
+        bufs = spare.take()
         if zero:
             for buf in bufs:
                 buf.zero_()
@@ -229,7 +230,7 @@ class BucketWindow(Window):
             summed = tail.tolist()
             total = self.comm.settle(summed, self.spec.reduction, failed)
             self.totals = (total, summed[TAIL:])
-            if self.spec.fast and self.spec.reduction == "mean" and not failed:
+            if self.hinted and not failed:
                 # Reached on every rank or on none (settle raises where another rank failed).
                 self.sync._totals[self.layout] = total
             if self.reorder and not failed:
@@ -286,21 +287,21 @@ class Spare:
     At most two sets: the caller may still hold one while the next window runs.
     """
 
-    def __init__(self, plan: Plan, lay: Any) -> None:
-        self.plan = plan
+    def __init__(self, plan: Plan, lay: Any, extra: int) -> None:
+        self.plan, self.extra = plan, extra  # extra: the tail bucket's metric sums
         self.sets: list[tuple[list[torch.Tensor], list[int]]] = []  # buffers, their ref counts
         # Shape-only tensors for each bucket's members, to cut the views in one call.
         self.metas = [
             [torch.empty(lay.shapes[i], device="meta") for i in members] for members in plan.members
         ]
 
-    def take(self, extra: int) -> list[torch.Tensor]:
+    def take(self) -> list[torch.Tensor]:
         """A set of buffers nothing else references, or a new one."""
         for bufs, counts in self.sets:
             if all(_refs(b) == c for b, c in zip(bufs, counts)):
                 return bufs
         bufs = [
-            torch.empty(b.numel + extra * b.tail, dtype=b.dtype, device=b.device)
+            torch.empty(b.numel + self.extra * b.tail, dtype=b.dtype, device=b.device)
             for b in self.plan.buckets
         ]
         if len(self.sets) < 2:

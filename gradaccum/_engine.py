@@ -64,9 +64,7 @@ def run(
         return
     window = win.window
     given = args[argnum] if argnum is not None else None
-    lay = window.layout
-    wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
-    hint = window.hint if wide and reduction == "mean" else None  # as on the fast path
+    hint = window.hint if window.layout.wide and reduction == "mean" else None  # as in _fast
     for j, (mb, rows) in enumerate(micro):
         cur = _with_params(args, argnum, window.params(j, given), given)
         try:
@@ -150,11 +148,10 @@ def _fast(
 
     # Window.prescale (one process, mean): seed each backward with rows / total rows, so the sums
     # are the mean already. Not in float16/bfloat16, which would round otherwise than a sync.
-    wide = all(d in (torch.float32, torch.float64) for d in lay.accum_dtypes)
     prescale: float = 0
-    if window.prescale and wide and reduction == "mean":
+    if window.prescale and lay.wide and reduction == "mean":
         prescale = sum(r for _, r in micro)
-    hint = window.hint if wide and reduction == "mean" else None
+    hint = window.hint if lay.wide and reduction == "mean" else None
     if hint:  # Window.hint (a sync, mean): the ranks' agreed guess of the global total
         prescale = hint
     last, params = len(micro) - 1, None

@@ -31,8 +31,12 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "same_dtypes", self.accum_dtypes == self.dtypes)
+        wide = all(d in (torch.float32, torch.float64) for d in self.accum_dtypes)
+        object.__setattr__(self, "wide", wide)
 
+    # Derived: every leaf accumulates in its own dtype; every leaf accumulates in float32/64.
     same_dtypes: bool = dataclasses.field(init=False, repr=False, compare=False)
+    wide: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:  # hashed once: layouts key the syncs' plan caches
         h = self.__dict__.get("_hash")
@@ -89,7 +93,7 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
                 f"another argument of step_fn)."
             )
     dtypes = tuple(x.dtype for x in leaves)
-    lay = Layout(
+    return Layout(
         spec=spec,
         paths=tuple(paths),
         shapes=tuple(x.shape for x in leaves),
@@ -97,15 +101,6 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
         accum_dtypes=_accum_dtypes(dtypes, accum_dtype),
         devices=tuple(x.device for x in leaves),
     )
-    # The same object for equal layouts, so that later lookups compare by identity.
-    if torch.compiler.is_compiling():
-        return lay
-    if len(_LAYOUTS) >= 256:
-        _LAYOUTS.clear()
-    return _LAYOUTS.setdefault(lay, lay)
-
-
-_LAYOUTS: dict[Layout, Layout] = {}
 
 
 def _accum_dtypes(
