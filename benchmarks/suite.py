@@ -43,6 +43,9 @@ warm-up step each, so machine drift hits all alike. Two-process steps start toge
 before each) and a step's time is the slower rank's. Tables show the median over ``--steps``
 rounds; results.json also keeps every step time and ``paired_ratio``, the median of the
 same-round ratios. Other load on the machine shows up as noise: run it on a quiet one.
+``--rounds K`` runs each timing section K times, each in fresh processes, and adds a table of
+the paired ratio's median and range over the K rounds: on a small shared machine one round's
+ratio moves by up to +-0.05-0.1, more than most differences worth measuring.
 
 How to read the output, per model:
 
@@ -558,6 +561,35 @@ def _section(
     return out
 
 
+def _rounds(
+    model: str, names: list[str], ref: str, world: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``_section`` ``--rounds`` times (fresh processes each); the first, with every round's ratios.
+
+    ``rounds``: each round's paired ratio per strategy and n; ``round_ratio``: their median, min
+    and max. The parameters must agree with the reference in every round.
+    """
+    secs = [_section(model, names, ref, world, args) for _ in range(args.rounds)]
+    out = secs[0]
+    out["rounds"] = [
+        {
+            k: {n: c["paired_ratio"] for n, c in per_n.items()}
+            for k, per_n in sec["strategies"].items()
+        }
+        for sec in secs
+    ]
+    out["round_ratio"] = {
+        k: {
+            n: {"median": statistics.median(r), "min": min(r), "max": max(r)}
+            for n in out["rounds"][0][k]
+            for r in [[rd[k][n] for rd in out["rounds"]]]
+        }
+        for k in names
+    }
+    out["params_agree"] = all(sec["params_agree"] for sec in secs)
+    return out
+
+
 def _table(title: str, names: list[str], ns: list[int], cell: Callable[[str, int], str]) -> None:
     print(title)
     print(f"  {'strategy':<22}" + "".join(f"{'n=' + str(n):>17}" for n in ns))
@@ -575,6 +607,18 @@ def _print_section(model: str, sec: dict[str, Any], ns: list[int], steps: int) -
         ns,
         lambda k, n: f"{s[k][str(n)]['median_ms']:.1f} ({s[k][str(n)]['ratio']:.2f})",
     )
+    rounds = sec.get("rounds", [])
+    if len(rounds) > 1:
+        rr = sec["round_ratio"]
+        _table(
+            f"[{model}, {where}] paired ratio vs {ref}: median [min-max] of {len(rounds)} rounds",
+            names,
+            ns,
+            lambda k, n: (
+                f"{rr[k][str(n)]['median']:.2f} [{rr[k][str(n)]['min']:.2f}-"
+                f"{rr[k][str(n)]['max']:.2f}]"
+            ),
+        )
     if sec["world"] > 1:
         _table(
             f"[{model}, {where}] collectives per optimizer step and rank: count / MiB",
@@ -705,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=bm.MODELS, default=list(bm.MODELS))
     parser.add_argument("--strategies", nargs="+", choices=ALL, default=list(ALL))
     parser.add_argument("--quick", action="store_true", help="tiny models, few steps")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="timing sections run K times in fresh processes"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section")
     parser.add_argument("--memory-ns", type=int, nargs="+", help="n for memory (default --ns)")
@@ -720,8 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     args.ns = args.ns or ([1, 2] if args.quick else [1, 4, 8, 16])
     args.steps = args.steps or (3 if args.quick else 15)
     args.memory_ns = args.memory_ns or args.ns
-    if any(n < 1 for n in args.ns + args.memory_ns) or args.steps < 1:
-        parser.error("n and --steps must be positive")
+    if any(n < 1 for n in args.ns + args.memory_ns) or args.steps < 1 or args.rounds < 1:
+        parser.error("n, --steps and --rounds must be positive")
     t_start = time.perf_counter()
 
     wanted = list(args.strategies)
@@ -753,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
             "argv": sys.argv[1:],
             "ns": args.ns,
             "steps": args.steps,
+            "rounds": args.rounds,
             "quick": args.quick,
             "memory_ns": None if args.no_memory else args.memory_ns,
             "memory_steps": args.memory_steps,
@@ -771,10 +819,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         res: dict[str, Any] = {"describe": spec.describe, "params": n_params, "micro": spec.micro}
         if two:
-            res["two_process"] = _section(model, two, ref2, 2, args)
+            res["two_process"] = _rounds(model, two, ref2, 2, args)
             _print_section(model, res["two_process"], args.ns, args.steps)
         if one:
-            res["one_process"] = _section(model, one, ref1, 1, args)
+            res["one_process"] = _rounds(model, one, ref1, 1, args)
             _print_section(model, res["one_process"], args.ns, args.steps)
         results["models"][model] = res
     if not args.no_memory:

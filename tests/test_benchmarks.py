@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,50 @@ def test_suite_quick(tmp_path: Path) -> None:
         == 2
         * results["models"]["mlp"]["two_process"]["strategies"]["ddp-no_sync"]["2"]["collectives"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_suite_rounds_keep_every_rounds_paired_ratio(tmp_path: Path) -> None:
+    # One process only (fast): each round is a fresh process; the summary is over all rounds.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SUITE),
+            "--quick",
+            "--no-memory",
+            "--rounds",
+            "3",
+            "--models",
+            "mlp",
+            "--ns",
+            "1",
+            "2",
+            "--strategies",
+            "hand",
+            "gradaccum",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "median [min-max] of 3 rounds" in proc.stdout
+    sec = json.loads((tmp_path / "results.json").read_text())["models"]["mlp"]["one_process"]
+    assert len(sec["rounds"]) == 3
+    for name in ("hand", "gradaccum"):
+        for n in ("1", "2"):
+            ratios = [rd[name][n] for rd in sec["rounds"]]
+            summary = sec["round_ratio"][name][n]
+            assert summary["min"] == min(ratios)
+            assert summary["max"] == max(ratios)
+            assert summary["median"] == statistics.median(ratios)
+            if name == "hand":  # the reference against itself
+                assert ratios == [1.0, 1.0, 1.0]
+    assert sec["strategies"]["gradaccum"]["1"]["paired_ratio"] == sec["rounds"][0]["gradaccum"]["1"]
 
 
 SHARDED = Path(__file__).resolve().parent.parent / "benchmarks" / "sharded.py"
