@@ -17,6 +17,9 @@ batches and steps ``torch.optim.SGD(lr=0.01, momentum=0.9)`` once per batch.
    - ``ddp-naive``: torch DDP, syncing every micro-batch;
    - ``ddp-no_sync``: DDP, forward and backward inside ``no_sync()`` except the last micro-batch
      (the reference of the ratios);
+   - ``ddp-twin``: ``ddp-no_sync`` again, on its own copy of the model: a control. Its ratio
+     is this run's noise floor (two identical strategies differ by up to 5% on 2 cores: each
+     copy's memory, the order of the rounds), against which the others are read;
    - ``accelerate``: Hugging Face Accelerate, ``Accelerator(cpu=True,
      gradient_accumulation_steps=n)``, ``with accelerator.accumulate(model)``,
      ``accelerator.backward(loss)``, ``optimizer.step()`` / ``zero_grad()`` per micro-batch;
@@ -116,6 +119,7 @@ import gradaccum
 TWO_PROC = (
     "ddp-naive",
     "ddp-no_sync",
+    "ddp-twin",
     "accelerate",
     "hand",
     "gradaccum-func",
@@ -173,11 +177,11 @@ def make_strategy(
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loss = spec.loss
 
-    if name in ("ddp-naive", "ddp-no_sync"):
+    if name in ("ddp-naive", "ddp-no_sync", "ddp-twin"):
         ddp = DDP(model)
         if log is not None:
             ddp.register_comm_hook(log, _counting_hook)
-        quiet = name == "ddp-no_sync"
+        quiet = name != "ddp-naive"  # ddp-twin: ddp-no_sync again, on its own copy
 
         def ddp_step(batch: bm.Batch) -> None:
             opt.zero_grad(set_to_none=True)
