@@ -245,3 +245,26 @@ def test_compression_quick_writes_a_figure_stamped_with_its_data(tmp_path: Path)
     assert meta["Source"] == "compression.json"
     digest = hashlib.sha256((tmp_path / "compression.json").read_bytes()).hexdigest()
     assert meta["Source-SHA256"] == digest
+
+
+@pytest.mark.timeout(120)
+def test_window_budget_quick_prints_every_part_and_their_sum() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SUITE.parent / "window_budget.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("  ") and line.endswith(" us"):
+            name, value = line.strip().removesuffix(" us").rsplit(maxsplit=1)
+            rows[name.strip()] = float(value)
+    total = rows.pop("sum")
+    assert len(rows) == 6, proc.stdout
+    assert any("fingerprint" in name for name in rows), proc.stdout
+    assert all(us > 0 for us in rows.values()), proc.stdout
+    assert total == pytest.approx(sum(rows.values()), abs=0.5), proc.stdout
+    assert "the sum as a share of a one-micro-batch step: " in proc.stdout
