@@ -14,6 +14,13 @@ set against one forward and backward of a micro-batch of the same model (its med
 interleaved repeats), which is what ``gradaccum`` and DDP + ``no_sync`` both run. The sum says how
 much of a step the per-window work can explain; ``docs/benchmarks.md`` ("The noise floor") reads
 it against the suite's ratios.
+
+Then the whole call, on a model of as many leaves whose compute is nothing (a stack of 8x8
+``Linear`` layers, 8 rows per micro-batch), so that what is left is Python: the hand-written loop
+calling the module, the same loop through ``torch.func.functional_call`` (what a functional loss
+function runs), and ``accumulate(gradaccum.grad_and_value(loss_fn), n)`` with ``write_grads``,
+interleaved, the median of the thread's CPU time (``time.thread_time``: other processes on the
+machine do not count).
 """
 
 from __future__ import annotations
@@ -100,6 +107,51 @@ def budget(model: str, quick: bool, number: int) -> tuple[list[tuple[str, float]
     return parts, statistics.median(times) * 1e3
 
 
+def python_cost(leaves: int, ns: list[int], rounds: int) -> dict[int, dict[str, float]]:
+    """Milliseconds per call of the three loops on a ``leaves``-leaf model that computes nothing."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(leaves // 2)])
+    plist = list(model.parameters())
+    params = gradaccum.params_of(model)
+
+    def loss_fn(p: dict[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        return (functional_call(model, p, (batch[0],)) - batch[1]).pow(2).mean()
+
+    out = {}
+    for n in ns:
+        x, y = torch.randn(8 * n, 8), torch.randn(8 * n, 8)
+        accumulated = gradaccum.accumulate(gradaccum.grad_and_value(loss_fn), n)
+
+        def hand(n: int = n, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            for p in plist:
+                p.grad = None
+            for xb, yb in zip(x.chunk(n), y.chunk(n), strict=True):
+                ((model(xb) - yb).pow(2).mean() / n).backward()
+
+        def hand_fc(n: int = n, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            for p in plist:
+                p.grad = None
+            for xb, yb in zip(x.chunk(n), y.chunk(n), strict=True):
+                (loss_fn(dict(model.named_parameters()), (xb, yb)) / n).backward()
+
+        def ours(x: torch.Tensor = x, y: torch.Tensor = y, f: Any = accumulated) -> None:
+            for p in plist:
+                p.grad = None
+            grads, _ = f(params, (x, y))
+            gradaccum.write_grads(model, grads)
+
+        loops = {"module call": hand, "functional_call": hand_fc, "gradaccum": ours}
+        times: dict[str, list[float]] = {k: [] for k in loops}
+        for f in loops.values():
+            f()
+        for _ in range(rounds):
+            for k, f in loops.items():
+                t0 = time.thread_time()
+                f()
+                times[k].append(time.thread_time() - t0)
+        out[n] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("lm", "mlp"), default="lm")
@@ -109,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         parts, step_ms = budget(args.model, args.quick, 20 if args.quick else 200)
+        leaves = len(bm.spec(args.model, args.quick).build().state_dict())
+        python = python_cost(leaves, [1, 4], 20 if args.quick else 300)
     finally:
         dist.destroy_process_group()
     total = sum(us for _, us in parts)
@@ -118,6 +172,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {'sum':60} {total:8.1f} us")
     print(f"one micro-batch's forward and backward: {step_ms:.2f} ms (median)")
     print(f"the sum as a share of a one-micro-batch step: {total / 1e3 / step_ms:.1%}")
+    print(f"whole calls on a {leaves}-leaf model that computes nothing (ms of CPU time, median):")
+    print(f"  {'n':>3} {'module call':>12} {'functional_call':>16} {'gradaccum':>10}")
+    for n, row in python.items():
+        fc_per_micro = (row["functional_call"] - row["module call"]) / n
+        print(
+            f"  {n:>3} {row['module call']:12.3f} {row['functional_call']:16.3f} "
+            f"{row['gradaccum']:10.3f}   gradaccum - functional_call: "
+            f"{row['gradaccum'] - row['functional_call']:.3f} ms a call; functional_call: "
+            f"{fc_per_micro:.3f} ms a micro-batch"
+        )
 
 
 if __name__ == "__main__":
