@@ -14,6 +14,7 @@ SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
 TWO_PROC = [
     "ddp-naive",
     "ddp-no_sync",
+    "ddp-twin",
     "hand",
     "gradaccum-func",
     "gradaccum-tree",
@@ -67,11 +68,14 @@ def test_suite_quick(tmp_path: Path) -> None:
             assert set(res["memory"][section]) == set(names), (model, section)
             for name in names:
                 assert sorted(res["memory"][section][name]) == NS, (model, section, name)
-    assert (
-        results["models"]["mlp"]["two_process"]["strategies"]["ddp-naive"]["2"]["collectives"]
-        == 2
-        * results["models"]["mlp"]["two_process"]["strategies"]["ddp-no_sync"]["2"]["collectives"]
-    )
+    mlp = results["models"]["mlp"]["two_process"]["strategies"]
+    assert mlp["ddp-naive"]["2"]["collectives"] == 2 * mlp["ddp-no_sync"]["2"]["collectives"]
+    # The control runs the reference's code: the same collectives, the same parameters.
+    for model in ("mlp", "lm"):
+        two = results["models"][model]["two_process"]["strategies"]
+        for n in NS:
+            assert two["ddp-twin"][n]["collectives"] == two["ddp-no_sync"][n]["collectives"]
+            assert two["ddp-twin"][n]["param_max_abs_diff"] == 0.0, (model, n)
 
 
 @pytest.mark.slow
