@@ -18,8 +18,8 @@ batches and steps ``torch.optim.SGD(lr=0.01, momentum=0.9)`` once per batch.
    - ``ddp-no_sync``: DDP, forward and backward inside ``no_sync()`` except the last micro-batch
      (the reference of the ratios);
    - ``ddp-twin``: ``ddp-no_sync`` again, on its own copy of the model: a control. Its ratio
-     is this run's noise floor (two identical strategies differ by up to 5% on 2 cores: each
-     copy's memory, the order of the rounds), against which the others are read;
+     is this run's noise floor (two identical strategies differ by 5-7% in single rounds on 2
+     cores), against which the others are read;
    - ``accelerate``: Hugging Face Accelerate, ``Accelerator(cpu=True,
      gradient_accumulation_steps=n)``, ``with accelerator.accumulate(model)``,
      ``accelerator.backward(loss)``, ``optimizer.step()`` / ``zero_grad()`` per micro-batch;

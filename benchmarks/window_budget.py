@@ -10,8 +10,8 @@ Each part of a window that does not grow with the model's compute is timed on it
 ``timeit`` (the minimum of 7 repeats: these parts are pure Python and small tensors, so the
 minimum is their cost without the machine's noise), in one gloo process (a group of one on a
 ``HashStore``: the collective is a real gloo call, without a peer's latency). The parts are then
-set against one forward and backward of a micro-batch of the same model (its median over
-interleaved repeats), which is what ``gradaccum`` and DDP + ``no_sync`` both run. The sum says how
+set against one forward and backward of a micro-batch of the same model through
+``functional_call`` (the median of repeated calls). The sum says how
 much of a step the per-window work can explain; ``docs/benchmarks.md`` ("The noise floor") reads
 it against the suite's ratios.
 
@@ -47,8 +47,9 @@ def _min_us(f: Callable[[], Any], number: int) -> float:
     return min(timeit.repeat(f, number=number, repeat=7)) / number * 1e6
 
 
-def budget(model: str, quick: bool, number: int) -> tuple[list[tuple[str, float]], float]:
-    """``[(part, microseconds)]`` of one window, and the median ms of a forward and backward."""
+def budget(model: str, quick: bool, number: int) -> tuple[list[tuple[str, float]], float, int]:
+    """``[(part, microseconds)]`` of one window, the median ms of a forward and backward, and
+    the number of leaves."""
     spec = bm.spec(model, quick)
     module = spec.build()
     params = gradaccum.params_of(module)
@@ -68,11 +69,15 @@ def budget(model: str, quick: bool, number: int) -> tuple[list[tuple[str, float]
         sync.open(window_spec).storage(False)
 
     part("open a window and cut its bucket views", storage)
-    part(
-        f"alias {len(params)} leaves (detach, requires_grad)",
-        lambda: [v.detach().requires_grad_() for v in params.values()],
+    step_fn = gradaccum.grad_and_value(
+        lambda p, batch: spec.loss(functional_call(module, p, (x,)), y)
     )
-    leaves = [v.detach().requires_grad_() for v in params.values()]
+    args = [params, (x, y)]
+    part(
+        f"alias {len(params)} leaves (what the fast path runs)",
+        lambda: step_fn.alias("budget", args),
+    )
+    _, leaves, _ = step_fn.alias("budget", args)
 
     def hooks() -> None:
         handles = [
@@ -104,7 +109,7 @@ def budget(model: str, quick: bool, number: int) -> tuple[list[tuple[str, float]
         t0 = time.perf_counter()
         micro_batch()
         times.append(time.perf_counter() - t0)
-    return parts, statistics.median(times) * 1e3
+    return parts, statistics.median(times) * 1e3, len(params)
 
 
 def python_cost(leaves: int, ns: list[int], rounds: int) -> dict[int, dict[str, float]]:
@@ -160,8 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        parts, step_ms = budget(args.model, args.quick, 20 if args.quick else 200)
-        leaves = len(bm.spec(args.model, args.quick).build().state_dict())
+        parts, step_ms, leaves = budget(args.model, args.quick, 20 if args.quick else 200)
         python = python_cost(leaves, [1, 4], 20 if args.quick else 300)
     finally:
         dist.destroy_process_group()
