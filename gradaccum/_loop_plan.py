@@ -49,10 +49,11 @@ def check_schedule(where: str, n: object) -> None:
 
 def check_args(where: str, data: Any, n: Any, epochs: Any, prefetch: Any, timeout: Any) -> None:
     """Validate the arguments of ``windows()``."""
-    if not hasattr(data, "__iter__"):
+    if not hasattr(data, "__iter__") and not callable(data):
         raise TypeError(
             f"{where}: data must be an iterable of micro-batches (a DataLoader, a list, a "
-            f"generator), got {describe(data)}; pass e.g. a torch.utils.data.DataLoader."
+            f"generator) or a factory epoch -> iterable, got {describe(data)}; pass e.g. a "
+            f"torch.utils.data.DataLoader, or lambda epoch: DataLoader(...)."
         )
     check_schedule(where, n)
     if epochs is not None and (
@@ -199,11 +200,19 @@ def set_epoch(data: Any, epoch: int) -> None:
 
 def check_position(where: str, sd: Any, fmt: str) -> dict[str, Any]:
     """Validate a saved data position (``Windows.state_dict()``); return it."""
+    old = sd.get("format") if isinstance(sd, dict) else None
+    if isinstance(old, str) and old.rsplit("/", 1)[0] == fmt.rsplit("/", 1)[0] and old != fmt:
+        raise GradAccumError(
+            f"{where}: the position has format {old!r}, written by an older gradaccum (0.1), "
+            f"which this version ({fmt!r}) does not read: it lacks what resuming now checks "
+            f"(the data's identity, the window sizes). Resume it with the gradaccum that "
+            f"wrote it, or start the run anew."
+        )
     if not isinstance(sd, dict) or sd.get("format") != fmt:
         raise GradAccumError(
             f"{where}: expected a dict with format {fmt!r}, got {describe(sd)}{FIX}"
         )
-    for key in ("epoch", "micro_batch", "window", "in_window", "epoch_window"):
+    for key in ("epoch", "micro_batch", "window", "in_window", "epoch_window", "reread", "skip"):
         value = sd.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise GradAccumError(f"{where}: {key} must be an int >= 0, got {describe(value)}{FIX}")
@@ -216,8 +225,30 @@ def check_position(where: str, sd: Any, fmt: str) -> dict[str, Any]:
             f"{where}: started and closed must be bools and rng a tensor or None, got "
             f"{describe(flags)} and {describe(rng)}{FIX}"
         )
+    if not isinstance(sd.get("fresh"), bool) or sd["skip"] > sd["reread"]:
+        raise GradAccumError(
+            f"{where}: fresh must be a bool and skip at most reread, got "
+            f"{describe(sd.get('fresh'))}, {describe(sd['skip'])} and {describe(sd['reread'])}{FIX}"
+        )
+    sizes = sd.get("sizes")
+    if (
+        not isinstance(sizes, list)
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes)
+        or not (sd.get("n") is None or (isinstance(sd["n"], int) and sd["n"] >= 1))
+        or not isinstance(sd.get("identity"), dict)
+    ):
+        raise GradAccumError(
+            f"{where}: sizes must be a list of positive ints, n a positive int or None and "
+            f"identity a dict, got {describe(sizes)}, {describe(sd.get('n'))} and "
+            f"{describe(sd.get('identity'))}{FIX}"
+        )
+    window_rng = sd.get("window_rng")
+    if not (window_rng is None or (isinstance(window_rng, dict) and "torch" in window_rng)):
+        raise GradAccumError(
+            f"{where}: window_rng must be None or random states, got {describe(window_rng)}{FIX}"
+        )
     for key in ("generators", "generators_now"):
-        gens = sd.get(key, [])
+        gens = sd.get(key)
         if not isinstance(gens, list) or any(not isinstance(g, torch.Tensor) for g in gens):
             raise GradAccumError(
                 f"{where}: {key} must be a list of tensors, got {describe(gens)}{FIX}"
@@ -242,8 +273,12 @@ class DataWindow(Generic[B]):
         index: The window's index over the whole run, counting every epoch's windows (the
             optimizer step it makes; ``AccumState.window`` of an ``Accumulator`` fed by it).
         start: The position in the epoch of the window's first micro-batch.
+        taken: The micro-batches of the window taken before it was yielded: by the run that
+            saved the checkpoint this one resumed from, mid-window; else 0. Iterating the window
+            gives the others.
         batches: The micro-batches, as a list, when ``windows(..., prefetch=True)``; else
-            ``None`` (they are read from the data while the window is iterated).
+            ``None`` (they are read from the data while the window is iterated). After a
+            mid-window resume it holds the whole window, the ``taken`` first.
 
     Examples:
         >>> import gradaccum
@@ -251,7 +286,7 @@ class DataWindow(Generic[B]):
         [(0, 0, [0, 1]), (1, 2, [2, 3]), (2, 4, [4])]
     """
 
-    __slots__ = ("_left", "_len", "_owner", "batches", "epoch", "index", "start")
+    __slots__ = ("_at", "_left", "_len", "_owner", "batches", "epoch", "index", "start", "taken")
 
     def __init__(
         self, owner: _Source[B], epoch: int, index: int, start: int, left: int, known: bool
@@ -259,10 +294,12 @@ class DataWindow(Generic[B]):
         self._owner, self.epoch, self.index, self.start = owner, epoch, index, start
         self._left = left  # at most this many micro-batches still to give
         self._len = left if known else None
+        self._at = start  # the epoch's position when the window was yielded
+        self.taken = 0
         self.batches: list[B] | None = None
 
     def __len__(self) -> int:
-        """The number of micro-batches the window gives on this rank.
+        """The number of micro-batches of the window on this rank (``taken`` included).
 
         Raises:
             TypeError: The data has no ``len()`` and the window was not prefetched: its length

@@ -189,8 +189,9 @@ class Agreed:
         self.lengths = lengths
 
     def max(self, values: list[int], purpose: str) -> list[int]:
+        """This rank's values, with the lengths of every rank (the rest agree by construction)."""
         assert purpose == "data lengths"
-        return [max(self.lengths), -min(self.lengths)]
+        return [*values[:7], max(self.lengths), -min(self.lengths)]
 
 
 schedules = st.one_of(
@@ -300,7 +301,10 @@ def test_resume_without_len_and_with_prefetch() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"format": "x"}, r"expected a dict with format 'gradaccum.loop.Windows/1'"),
+        ({"format": "x"}, r"expected a dict with format 'gradaccum.loop.Windows/2'"),
+        ({"format": "gradaccum.loop.Windows/1"}, r"written by an older gradaccum \(0.1\)"),
+        ({"skip": 3}, r"skip at most reread"),
+        ({"sizes": [0]}, r"sizes must be a list of positive ints"),
         ({"epoch": -1}, r"epoch must be an int >= 0, got int -1"),
         ({"closed": 1}, r"started and closed must be bools"),
         ({"generators": None}, r"generators must be a list of tensors"),
@@ -319,13 +323,28 @@ def test_a_position_of_other_windows_is_refused() -> None:
     next(loop)
     sd = data.state_dict()  # window 1, none of it taken: micro-batch 3 of the epoch
     other = windows(range(9), 2)  # window 1 starts at micro-batch 2 here
-    other.load_state_dict(sd)
-    with pytest.raises(gradaccum.GradAccumError, match=r"does not fit these windows"):
-        taken(other)
+    with pytest.raises(gradaccum.GradAccumError) as err:
+        other.load_state_dict(sd)
+    assert str(err.value) == (
+        "windows(data, n=2).load_state_dict(state_dict): the checkpoint was saved with windows "
+        "of n=3 (window sizes [3, 3, 3, 3, 3, 3, 3, 3] from window 0 on), but these windows have "
+        "[2, 2, 2, 2, 2, 2, 2, 2]; resume with the n of the run that saved (another n would "
+        "move every window boundary and optimizer step)."
+    )
+    assert taken(other) == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]  # the refusal changed nothing
     short = windows(range(2), 3)
-    short.load_state_dict({**sd, "window": 0, "in_window": 3, "started": True})
-    with pytest.raises(gradaccum.GradAccumError, match=r"the data gives only 2 in that epoch"):
-        taken(short)
+    with pytest.raises(gradaccum.GradAccumError) as err:
+        short.load_state_dict(sd)
+    assert str(err.value) == (
+        "windows(data, n=3).load_state_dict(state_dict): the data is not the checkpoint's: its "
+        "length is int 2, the checkpoint's int 9; resume with the data of the run that saved (a "
+        "changed dataset, batch size or sampler would give other micro-batches without any "
+        "error)."
+    )
+    bad = windows(range(9), 3)
+    bad.load_state_dict({**sd, "in_window": 2})  # window 1 does not start at micro-batch 1
+    with pytest.raises(gradaccum.GradAccumError, match=r"does not fit these windows"):
+        taken(bad)
 
 
 # -- over ranks ---------------------------------------------------------------------------------
@@ -359,12 +378,17 @@ def test_ranks_agree_on_the_windows(sized: bool) -> None:
         assert r0["total"] == r1["total"] == 12
         assert [len(mb) for *_, mb in r1["got"]] == [4, 4, 4, 4, 4, 0] * 2
         assert [len(mb) for *_, mb in r0["got"]] == [4, 4, 4, 4, 4, 1] * 2
-        # One tiny all-reduce of the lengths per epoch, and nothing else.
-        assert r0["log"] == [("all_reduce", "data lengths", 16)] * 2
+        # One tiny all-reduce per epoch (a failure flag, the kind of data, the window sizes,
+        # the epochs, the lengths: 9 int64), and nothing else.
+        assert r0["log"] == [("all_reduce", "data lengths", 72)] * 2
     else:
         assert [len(mb) for *_, mb in r1["got"]] == [4, 4, 4, 4, 4, 0]
-        # One 8-byte all-reduce per window, and one that finds the data over.
-        assert r0["log"] == [("all_reduce", "data left", 8)] * 7
+        # The epoch's agreement, then one 16-byte all-reduce per window (a failure flag, data
+        # left), and one that finds the data over.
+        assert (
+            r0["log"]
+            == [("all_reduce", "data lengths", 72)] + [("all_reduce", "data left", 16)] * 7
+        )
 
 
 def _late_peer(rank: int, world: int) -> str:
