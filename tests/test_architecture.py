@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_dp",
             "_module",
             "testing",
+            "_loop_source",
             "_loop_plan",
             "_loop_data",
             "_loop_windows",
