@@ -131,8 +131,11 @@ class Windows(Generic[B]):
         # Stateful data: its state and the random states before the window's first read.
         self._win_start = 0
         self._snapshot: tuple[Any, dict[str, Any]] | None = None
+        self._before_end: Any = None  # (without len()) its state before the latest read
+        self._keeps = self._unsized = False  # the epoch's data keeps its state; has no len()
         self._resume: dict[str, Any] | None = None  # a loaded position, until the next loop
-        self._head: list[B] = []  # the window's micro-batches taken before the resume
+        self._head: list[B] = []  # the window's micro-batches taken before the resume, read again
+        self._taken = 0  # how many micro-batches of the window were taken before the resume
 
     # -- the public position ---------------------------------------------------------------------
 
@@ -356,10 +359,10 @@ class Windows(Generic[B]):
             self._started = True
             head, self._head = self._head, []
             window = DataWindow(self, self._epoch, self._window, start, left, count is not None)
-            window.taken = len(head)
+            window.taken, self._taken = self._taken, 0
             window._at = self._pos
             if count is not None:
-                window._len = len(head) + left
+                window._len = window.taken + left
             if self.prefetch:
                 rest = [b for b in (self._pull() for _ in range(left)) if b is not END]
                 window.batches = head + rest
@@ -386,15 +389,17 @@ class Windows(Generic[B]):
         data = self._source.of(self._epoch)
         if resume is not None and resume.get("loader") is not None:
             data.load_state_dict(resume["loader"])
-            for _ in iter(data):  # the saved run's iterator saw its end; let this one see it
-                pass
+            if not resume["exhausted"]:  # the saved run's iterator saw its end: this one too
+                with under_rng(rng_states()):  # iter() draws a seed the saved run drew earlier
+                    for _ in iter(data):
+                        pass
         gens = generators_of(data)
         if self._it is None and len(self._gens_now) == len(gens):
             for g, state in zip(gens, self._gens_now):
                 g.set_state(state)
 
     def _advance(self) -> None:
-        self._window, self._in_window = self._window + 1, 0
+        self._window, self._in_window, self._taken = self._window + 1, 0, 0
         self._started = self._closed = False
 
     def _next_epoch(self) -> None:
@@ -403,7 +408,7 @@ class Windows(Generic[B]):
         self._rng, self._gens, self._it, self._exhausted = None, [], None, False
         self._buffer.clear()
         self._read = self._win_start = 0
-        self._snapshot = None
+        self._snapshot = self._before_end = None
 
     def _finish(self, window: DataWindow[B]) -> None:
         """Skip a window left untouched; refuse one left part-way (its rest would be lost)."""
@@ -462,9 +467,15 @@ class Windows(Generic[B]):
             return self._buffer.popleft()
         if self._it is None or self._exhausted:
             return END
-        data = self._source.of(self._epoch)
-        if self._read == self._win_start and stateful(data):  # before the window's first read
-            self._snapshot = (data.state_dict(), rng_states())
+        if self._keeps:
+            data = self._source.of(self._epoch)
+            if self._read == self._win_start or self._unsized:
+                state = data.state_dict()
+                if self._read == self._win_start:  # before the window's first read
+                    self._snapshot = (state, rng_states())
+                # Data without len() ends where a read finds nothing: a checkpoint taken after
+                # that holds the state from before it, whose resume sees the end again.
+                self._before_end = state
         try:
             item = next(self._it)
         except StopIteration:
@@ -505,6 +516,7 @@ class Windows(Generic[B]):
 
     def _open_iterator(self, start: int) -> None:
         data = self._source.of(self._epoch)
+        self._keeps, self._unsized = stateful(data), length_of(data) is None
         gens = generators_of(data)
         set_epoch(data, self._epoch)
         resume, self._resume = self._resume, None
@@ -512,10 +524,14 @@ class Windows(Generic[B]):
         self._exhausted = False
         if resume is not None and resume.get("loader") is not None:  # its own position
             data.load_state_dict(resume["loader"])
+            if resume["exhausted"]:  # the epoch's iterator had ended: a new one is the next's
+                self._it, self._exhausted = iter(()), True
+                return
             reread, skip = resume["reread"], resume["skip"]
             self._read, self._win_start = self._pos - skip, start
-            with under_rng(resume["window_rng"]):
+            with under_rng(rng_states()):  # iter() draws a seed the saved run drew earlier
                 self._it = iter(data)
+            with under_rng(resume["window_rng"]):  # the window's start, if read again
                 items = [self._pull(notify=False) for _ in range(reread)]
             if any(item is END for item in items):
                 raise GradAccumError(
@@ -595,6 +611,7 @@ class Windows(Generic[B]):
             "generators": [s.clone() for s in self._gens],
             "generators_now": [g.get_state() for g in generators_of(data)],
             "fresh": self._fresh,
+            "exhausted": self._exhausted,
             "identity": identity(data),
             "n": self.n if isinstance(self.n, int) else None,
             "sizes": self._sizes(self._epoch_window),
@@ -606,7 +623,7 @@ class Windows(Generic[B]):
         if stateful(data):
             self._state_of(data, out)
         else:
-            self._check_replay(data)
+            self._check_resumable(data, from_state=False)
         return out
 
     def _state_of(self, data: Any, out: dict[str, Any]) -> None:
@@ -617,19 +634,44 @@ class Windows(Generic[B]):
                 raise RuntimeError(f"{self._where}: no state of the data at the window's start")
             out["loader"], out["window_rng"] = self._snapshot
             out["reread"], out["skip"] = read, self._in_window
+        elif self._exhausted and self._before_end is not None:
+            out["loader"], out["exhausted"] = self._before_end, False
         else:
             out["loader"] = data.state_dict()
-        if out["reread"] and workers_of(data):
-            self._refuse_random(data, "reads its worker processes' random states afresh")
+        self._check_resumable(data, from_state=True)
 
-    def _check_replay(self, data: Any) -> None:
-        """Refuse a position whose replay would not give the same micro-batches."""
+    def _check_resumable(self, data: Any, from_state: bool) -> None:
+        """Refuse a position from which resuming could not give the same micro-batches.
+
+        ``from_state``: the data's own state is restored (else the epoch is replayed). Only
+        data whose dataset draws random numbers while it is read is at risk (it is probed).
+        """
+        workers = workers_of(data)
+        persistent = workers > 0 and bool(getattr(data, "persistent_workers", False))
+        if persistent and (self._epoch > 0 or (self._closed and not self._mid_epoch())):
+            why = "starts new workers, while the saved run's went on from its earlier epochs"
+        elif not self._mid_epoch():
+            return  # at an epoch's start or end: its iterator is created as it was
+        elif from_state and workers:
+            why = "starts its worker processes' random states afresh"
+        elif not from_state and not workers:
+            why = "reads it again in this process, where the model drew in between"
+        else:
+            return
+        self._refuse_random(data, why)
+
+    def _mid_epoch(self) -> bool:
+        """Whether resuming here goes on inside the epoch (rather than at its start or after it).
+
+        Inside it, a resume reads micro-batches again, or goes on with an iterator made anew.
+        """
         if self._pos == 0 and not self._buffer:
-            return  # nothing to read again: the epoch's iterator is created as it was
-        if workers_of(data) == 0:
-            self._refuse_random(data, "reads it again in this process, where the model draws")
-        elif not self._fresh:
-            self._refuse_random(data, "restarts the persistent workers, whose random states differ")
+            return False
+        lengths = self._agreed[1] if self._agreed is not None else None
+        if not self._closed or lengths is None:
+            return True
+        count = count_windows(self._where, self.n, self._epoch_window, lengths[0])
+        return self._window + 1 - self._epoch_window < count
 
     def _refuse_random(self, data: Any, why: str) -> None:
         what = draws_randomness(data)
@@ -701,6 +743,6 @@ class Windows(Generic[B]):
         self._fresh = sd["fresh"]
         self._it, self._exhausted, self._current = None, False, None
         self._buffer.clear()
-        self._head = []
+        self._head, self._taken = [], sd["in_window"]
         self._agreed = self._snapshot = None
         self._resume = dict(sd)

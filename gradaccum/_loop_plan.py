@@ -225,10 +225,11 @@ def check_position(where: str, sd: Any, fmt: str) -> dict[str, Any]:
             f"{where}: started and closed must be bools and rng a tensor or None, got "
             f"{describe(flags)} and {describe(rng)}{FIX}"
         )
-    if not isinstance(sd.get("fresh"), bool) or sd["skip"] > sd["reread"]:
+    flags = (sd.get("fresh"), sd.get("exhausted"))
+    if any(not isinstance(f, bool) for f in flags) or sd["skip"] > sd["reread"]:
         raise GradAccumError(
-            f"{where}: fresh must be a bool and skip at most reread, got "
-            f"{describe(sd.get('fresh'))}, {describe(sd['skip'])} and {describe(sd['reread'])}{FIX}"
+            f"{where}: fresh and exhausted must be bools and skip at most reread, got "
+            f"{describe(flags)}, {describe(sd['skip'])} and {describe(sd['reread'])}{FIX}"
         )
     sizes = sd.get("sizes")
     if (
