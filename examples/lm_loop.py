@@ -1,70 +1,89 @@
-"""The whole training loop with gradaccum.loop: the job of issue 17 in under 35 lines.
+"""The job of docs/loop.md with gradaccum.loop, in one file: a tiny causal LM.
 
-A tiny causal LM in float64 on padded sequences of random lengths, trained on the mean over the
-non-padding tokens of each whole global window of n = 4 micro-batches, over loaders of 21 and 20
-micro-batches on 2 ranks (the last window of each epoch short, and empty on rank 1), with AdamW,
-a warm-up LambdaLR stepped once per optimizer step, clipping to 1.0, a progress bar of the global
-mean loss, and a mid-window checkpoint that resumes bit-identically. ``examples/lm_job.py``
-holds what every version of the job shares (model, data, launcher, checks); the user code is
-between the markers (docs/loop.md puts it beside DDP + no_sync and Accelerate).
+A causal LM in float64 on padded sequences of random lengths (labels -100 on the padding),
+trained on the mean over the non-padding tokens of each whole global window of n = 4
+micro-batches of 2 sequences, for 2 epochs, with AdamW, a warm-up LambdaLR stepped once per
+optimizer step, clipping to 1.0, a progress bar of the global mean loss, and a checkpoint at
+window 7 that a later run resumes from, bit-identically. With 81 sequences on 2 ranks the
+loaders hold 21 and 20 micro-batches: the last window of each epoch is empty on rank 1.
 
-It checks itself: against a one-process float64 reference that trains on each whole global
-window (at most 1e-10 apart), one scheduler step per window, and a run stopped at a mid-window
-checkpoint and resumed, against the uninterrupted one (bit-identical). Exit status 1 if not.
-``--plot PATH`` writes the global mean loss of each window (``bar.history``, returned by
-``train``) beside the reference's per-window loss, as a PNG (needs matplotlib).
+Run it in one process, or in two (a run writes ./checkpoint; a run that finds it resumes)::
 
-Run it (a few seconds on 2 CPU cores)::
-
-    python examples/lm_loop.py                  # one process
-    python examples/lm_loop.py --nproc 2        # 2 gloo processes on 127.0.0.1
+    python examples/lm_loop.py
     torchrun --standalone --nproc_per_node 2 examples/lm_loop.py
-    python examples/lm_loop.py --nproc 2 --rows 80   # 20 and 20 micro-batches: no empty window
-    python examples/lm_loop.py --nproc 2 --plot loss.png   # its loss beside the reference's
+
+``python examples/compare/check_job.py examples/lm_loop.py --nproc 2`` checks it against a
+one-process float64 reference that trains on each whole global window (docs/loop.md).
 """
 
-from __future__ import annotations
-
-import sys
+import os
 
 import torch
-from lm_job import Job, TinyLM, loader, main, token_loss, warmup
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
 
 import gradaccum
 from gradaccum import loop
 
+VOCAB = 24  # token 0 is the padding
 
-# --- the job: begin ---
-def train(job: Job, rank: int, world: int):
-    torch.manual_seed(job.seed)
-    model = TinyLM(job.max_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(job))
-    sync = gradaccum.all_reduce()
-    data = loop.windows(loader(job, rank, world), job.n, sync=sync, epochs=job.epochs)
+
+class TinyLM(nn.Module):  # token embeddings, a causal convolution, a linear head
+    def __init__(self, dim=32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=2)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens):  # (batch, time) -> logits (batch, time, VOCAB)
+        h = self.conv(self.embed(tokens).transpose(1, 2))[..., : tokens.shape[1]]
+        return self.head(torch.relu(h).transpose(1, 2))  # position t saw tokens t-2, t-1, t
+
+
+def sequences(rows):  # token sequences of 3 to 16 tokens, the same on every rank
+    g = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(3, 17, (rows,), generator=g).tolist()
+    return [torch.randint(1, VOCAB, (length,), generator=g) for length in lengths]
+
+
+def pad(batch):  # a micro-batch: the inputs padded with 0, the next tokens with -100
+    inputs = pad_sequence([s[:-1] for s in batch], batch_first=True)
+    labels = pad_sequence([s[1:] for s in batch], batch_first=True, padding_value=-100)
+    return inputs, labels
+
+
+def token_loss(model, batch):  # summed over the tokens that are not padding, and their count
+    inputs, labels = batch
+    loss = nn.functional.cross_entropy(model(inputs).transpose(1, 2), labels, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def train(rows=81, path="checkpoint", save_at=7):
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 4))
+    loader = DataLoader(sequences(rows)[rank::world], batch_size=2, shuffle=True, collate_fn=pad)
+    data = loop.windows(loader, 4, sync=gradaccum.all_reduce() if world > 1 else None, epochs=2)
     step = loop.Step(
-        model,
-        token_loss,  # (summed token loss, token count) of a micro-batch
-        optimizer=optimizer,
-        scheduler=scheduler,
-        clip=job.clip,
-        reduction="count",
-        sync=sync,
+        model, token_loss, optimizer, data=data, scheduler=warmup, clip=1.0, reduction="count"
     )
-    if job.resume:
-        loop.load(job.checkpoint, step=step, data=data)
+    if os.path.exists(path):  # an earlier run's checkpoint: go on from there
+        loop.load(path, step)
     with loop.progress(data) as bar:
         for window in data:
             for batch in window:
                 step.add(batch)
-                if (window.index, step.micro_step) == job.save_at:
-                    loop.save(job.checkpoint, step=step, data=data)
-                    return model, scheduler, bar.history  # stop here, as a crash would
-            bar.update(step.apply())  # the global mean token loss, from the boundary
-    return model, scheduler, bar.history  # bar.history: each window's StepStats
+            if window.index == save_at:  # decided from the window alone: every rank saves
+                loop.save(path, step)
+            bar.update(step.apply())  # the window's global mean token loss
+    return model, warmup, bar.history
 
-
-# --- the job: end ---
 
 if __name__ == "__main__":
-    sys.exit(main(train, __doc__))
+    if "RANK" in os.environ:  # started by torchrun
+        dist.init_process_group("gloo")
+    train()

@@ -1,98 +1,120 @@
-"""The job of issue 17 with Hugging Face Accelerate: the other anchor of docs/loop.md.
+"""The job of docs/loop.md with Hugging Face Accelerate, in one file, written to be exact.
 
-The same job as ``examples/lm_loop.py`` (see ``examples/lm_job.py``), written with
+The same job as ``examples/lm_loop.py`` (the same model, data and loss), written with
 ``accelerate.Accelerator`` as a careful user would to make it exact. What its defaults would get
-wrong is avoided by hand: the scheduler is prepared with ``step_scheduler_with_optimizer=False``
-(by default a prepared scheduler steps once per process at each optimizer step), the loader is
-not prepared (``even_batches=True`` would repeat samples on the shorter rank, ``False`` lets the
-ranks' windows drift apart), the window boundaries, the token count of each global window and
-the global loss are computed by hand, an empty window joins the gradient all-reduce with a zero
-backward, and ``save_state`` is completed by the window's gradients and the data position
-(it saves neither). It checks itself the same way.
+wrong is avoided by hand: ``cpu=True`` (without it, on a machine without GPUs, each process
+trains alone), the scheduler prepared with ``step_scheduler_with_optimizer=False`` (by default a
+prepared scheduler steps once per process at each optimizer step), the loader not prepared
+(``even_batches=True`` would repeat samples on the shorter rank, ``False`` lets the ranks'
+windows drift apart); the window boundaries, the token count of each global window and the
+global loss are computed by hand, an empty window joins the gradient all-reduce with a zero
+backward, and ``save_state`` (taken after the step of window 7) is completed by the data
+position and the RNG state that the epoch's shuffle was drawn from (it saves neither).
 
-Needs ``pip install accelerate``::
+Needs ``pip install accelerate``. Run it in one process, or in two::
 
-    python examples/compare/accelerate_loop.py --nproc 2
+    python examples/compare/accelerate_loop.py
+    torchrun --standalone --nproc_per_node 2 examples/compare/accelerate_loop.py
+
+``python examples/compare/check_job.py examples/compare/accelerate_loop.py --nproc 2`` checks it.
 """
-
-from __future__ import annotations
 
 import contextlib
 import itertools
 import math
-import sys
-from pathlib import Path
+import os
 
 import torch
 from accelerate import Accelerator
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lm_job import IGNORE, Job, TinyLM, loader, main, token_loss, warmup  # noqa: E402
+VOCAB = 24  # token 0 is the padding
 
 
-# --- the job: begin ---
-def train(job: Job, rank: int, world: int):
-    torch.manual_seed(job.seed)
+class TinyLM(nn.Module):  # token embeddings, a causal convolution, a linear head
+    def __init__(self, dim=32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=2)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens):  # (batch, time) -> logits (batch, time, VOCAB)
+        h = self.conv(self.embed(tokens).transpose(1, 2))[..., : tokens.shape[1]]
+        return self.head(torch.relu(h).transpose(1, 2))  # position t saw tokens t-2, t-1, t
+
+
+def sequences(rows):  # token sequences of 3 to 16 tokens, the same on every rank
+    g = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(3, 17, (rows,), generator=g).tolist()
+    return [torch.randint(1, VOCAB, (length,), generator=g) for length in lengths]
+
+
+def pad(batch):  # a micro-batch: the inputs padded with 0, the next tokens with -100
+    inputs = pad_sequence([s[:-1] for s in batch], batch_first=True)
+    labels = pad_sequence([s[1:] for s in batch], batch_first=True, padding_value=-100)
+    return inputs, labels
+
+
+def token_loss(model, batch):  # summed over the tokens that are not padding, and their count
+    inputs, labels = batch
+    loss = nn.functional.cross_entropy(model(inputs).transpose(1, 2), labels, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def train(rows=81, path="checkpoint", save_at=7):
     accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
-    model = TinyLM(job.max_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(job))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    data = loader(job, rank, world)  # not prepared: it would pad or desynchronise the ranks
-    longest = accelerator.gather(torch.tensor([len(data)])).max().item()
-    per_epoch = math.ceil(longest / job.n)
-    epoch0, window0, done, saved = 0, 0, 0, None
-    if job.resume:
-        accelerator.load_state(job.checkpoint)
-        saved = torch.load(f"{job.checkpoint}/position{rank}.pt", weights_only=False)
-        epoch0, window0, done = saved["epoch"], saved["window"], saved["done"]
-        saved["rng"] = torch.get_rng_state()  # as load_state restored it
-    bar = tqdm(total=job.epochs * per_epoch, initial=epoch0 * per_epoch + window0, disable=rank)
-    for epoch in range(epoch0, job.epochs):
-        epoch_rng = saved["epoch_rng"] if saved else torch.get_rng_state()
-        torch.set_rng_state(epoch_rng)  # the shuffle is drawn when the first batch is read
-        batches = iter(data)
-        for _ in range(window0 * job.n):
-            next(batches)
-        for w in range(window0, per_epoch):
-            window = list(itertools.islice(batches, job.n))
-            if saved:
-                torch.set_rng_state(saved["rng"])
-            count = sum((b["labels"] != IGNORE).sum() for b in window)
-            tokens = accelerator.reduce(torch.tensor(float(count)), reduction="sum")
-            loss_sum = saved["loss_sum"] if saved else torch.zeros((), dtype=torch.float64)
-            for p, g in zip(model.parameters(), saved["grads"] if saved else []):
-                p.grad = g
-            for i, batch in enumerate(window[done:], start=done):
+    rank, world = accelerator.process_index, accelerator.num_processes
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 4))
+    model, optimizer, warmup = accelerator.prepare(model, optimizer, warmup)
+    # The loader is not prepared: it would repeat samples, or desynchronise the ranks.
+    loader = DataLoader(sequences(rows)[rank::world], batch_size=2, shuffle=True, collate_fn=pad)
+    longest = accelerator.gather(torch.tensor([len(loader)])).max().item()
+    per_epoch = math.ceil(longest / 4)  # windows per epoch, on every rank
+    start, losses = 0, []
+    if os.path.exists(path):  # an earlier run's checkpoint: go on from there
+        accelerator.load_state(path)
+        saved = torch.load(f"{path}/position.pt")
+        torch.set_rng_state(saved["epoch_rng"])  # the shuffle of its epoch is drawn again
+        start = saved["window"] + 1
+    bar = tqdm(total=2 * per_epoch, initial=start, disable=rank > 0)
+    for epoch in range(start // per_epoch, 2):
+        epoch_rng = torch.get_rng_state()  # iter(loader) draws the shuffle from it
+        batches = iter(loader)
+        for index in range(epoch * per_epoch, (epoch + 1) * per_epoch):
+            window = list(itertools.islice(batches, 4))
+            if index < start:  # done before the checkpoint
+                continue
+            count = sum(int((labels != -100).sum()) for _, labels in window)
+            tokens = accelerator.reduce(torch.tensor(count), reduction="sum")
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for i, batch in enumerate(window):
                 last = i == len(window) - 1
                 with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                    summed, _ = token_loss(model, batch)
-                    accelerator.backward(summed * world / tokens)  # DDP averages over ranks
-                loss_sum += summed.detach()
-                if (epoch * per_epoch + w, i + 1) == job.save_at:
-                    accelerator.save_state(job.checkpoint)
-                    grads = [p.grad.clone() for p in model.parameters()]
-                    state = {"grads": grads, "done": i + 1, "epoch": epoch, "window": w}
-                    state |= {"epoch_rng": epoch_rng, "loss_sum": loss_sum}
-                    torch.save(state, f"{job.checkpoint}/position{rank}.pt")
-                    return accelerator.unwrap_model(model), scheduler
+                    loss, _ = token_loss(model, batch)
+                    accelerator.backward(loss * world / tokens)  # DDP averages over the ranks
+                loss_sum += loss.detach()
             if not window:  # this rank's data ran out: join the gradient all-reduce with zeros
                 accelerator.backward(model(torch.zeros(1, 1, dtype=torch.long)).sum() * 0)
-            loss = accelerator.reduce(loss_sum, reduction="sum") / tokens
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            losses.append((accelerator.reduce(loss_sum, reduction="sum") / tokens).item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
             bar.update()
-            accelerator.clip_grad_norm_(model.parameters(), job.clip)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            scheduler.step()
+            warmup.step()
             optimizer.zero_grad()
-            done, saved = 0, None
-        window0 = 0
+            if index == save_at:  # after the step: what the next window needs
+                accelerator.save_state(path)
+                if accelerator.is_main_process:
+                    torch.save({"window": index, "epoch_rng": epoch_rng}, f"{path}/position.pt")
     bar.close()
-    return accelerator.unwrap_model(model), scheduler
+    return accelerator.unwrap_model(model), warmup, losses
 
-
-# --- the job: end ---
 
 if __name__ == "__main__":
-    sys.exit(main(train, __doc__))
+    train()
