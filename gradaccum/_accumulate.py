@@ -10,7 +10,7 @@ import torch
 
 from . import _engine, _reduce, _split
 from ._accum_state import AccumState
-from ._autograd import GradFn, from_torch_func
+from ._autograd import GradFn, check_no_transform, from_torch_func
 from ._errors import describe
 from ._layout import Layout, check_accum_dtype, check_n
 from ._window import LOCAL, Sync, WindowSpec, check_sync
@@ -187,6 +187,7 @@ def accumulate(
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
+        check_no_transform(call)  # before anything: a refused call changes nothing
         if len(args) <= max(batch_argnum, *grad_args):
             raise TypeError(
                 f"{call}: expected the params at position(s) {list(grad_args)} and the batch "

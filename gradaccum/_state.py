@@ -11,6 +11,7 @@ import torch
 
 from . import _metrics, _reduce, _tree
 from ._accum_state import AccumState, check_live, check_state, pass_on
+from ._autograd import check_no_transform
 from ._layout import check_accum_dtype, check_grads, check_n, micro_weight
 from ._metrics import WindowStats
 from ._window import LOCAL, Sync, Window, WindowSpec, check_sync
@@ -186,6 +187,7 @@ class Accumulator:
                 than one element, or the metrics' names differ from the window's earlier ones.
         """
         where = "Accumulator.add(state, grads)"
+        check_no_transform(where)
         check_state(where, state)
         check_live(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
@@ -266,6 +268,7 @@ class Accumulator:
         self, where: str, state: AccumState[T], by: str, stats: bool = False
     ) -> tuple[T, AccumState[T], Any]:
         """The boundary of ``finalize`` and ``boundary``: the stats only when asked for."""
+        check_no_transform(where)
         check_state(where, state)
         check_live(where, state)
         names = _metrics.names_of(state.metrics)
