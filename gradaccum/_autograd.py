@@ -336,8 +336,8 @@ def check_no_transform(where: str) -> None:
             "sums in place, one window at a time",
             "for per-sample gradients, vmap the gradient function, inside the accumulation: "
             "e.g. accumulate(torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0)), "
-            "n, reduction='sum', micro_transform=gradaccum.privacy.clip_per_sample(1.0)); for "
-            "several batches, accumulate each in a Python loop, outside vmap",
+            "n, micro_transform=gradaccum.privacy.clip_per_sample(1.0)); for several batches, "
+            "accumulate each in a Python loop, outside vmap",
         )
     elif names == _KINDS["Functionalize"]:
         why, fix = (
