@@ -43,6 +43,13 @@ def accumulate(
     batch (within float tolerance), whatever the micro-batch sizes, while peak memory is that of
     one micro-batch.
 
+    Gradients are accumulated, never differentiated through: the returned function adds into
+    running sums in place, outside autograd, so it refuses to run under a ``torch.func``
+    transform (``jacrev``, ``jacfwd``, ``hessian``, ``grad``, ``vjp``, ``jvp``, ``vmap``,
+    ``functionalize``), which would otherwise see zeros or fail. Take higher derivatives of the
+    whole-batch gradient (``torch.func.hessian(loss_fn)``) and put ``vmap`` inside the step
+    function (per-sample gradients); ``torch.compile`` over the returned function works.
+
     Args:
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
             ``-> (grads, aux)`` with ``has_aux=True``: e.g. ``torch.func.grad(loss_fn)`` or
@@ -97,7 +104,13 @@ def accumulate(
         micro_transform: A function applied to each micro-batch's gradients (the tree
             ``step_fn`` returns) before they are added, e.g. per-sample clipping of
             ``vmap``-ed per-sample gradients followed by their sum; it must return gradients
-            shaped like the params. It turns the fast path off (it needs each gradient tree).
+            shaped like the params. Its output is weighted as ``step_fn``'s would be (under
+            ``"mean"``, by the micro-batch's rows), unless it has the attribute
+            ``sums_rows = True``, as [`clip_per_sample()`][gradaccum.privacy.clip_per_sample]
+            does: its output is then a sum over the micro-batch's rows (one sample per row,
+            checked), added unweighted, so under ``"mean"`` the result is the mean over the
+            window's rows (with ``sync=``, every rank's) of the per-sample results. It turns the
+            fast path off (it needs each gradient tree).
 
     Returns:
         A function with the signature of ``step_fn`` returning the accumulated ``grads``, or
@@ -108,7 +121,8 @@ def accumulate(
             non-floating gradients, or a ``step_fn`` output of the wrong shape for ``has_aux``
             (at the call of the returned function).
         ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
-            match ``params`` (the message names the key path). Nothing is mutated.
+            match ``params`` (the message names the key path); a call under a ``torch.func``
+            transform (the message names it and gives the fix). Nothing is mutated.
         GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
             failed during the window, or a collective failed or timed out.
 

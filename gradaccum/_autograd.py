@@ -157,6 +157,9 @@ def grad(
     Same signature and result as ``torch.func.grad`` (first-order), computed by
     ``torch.autograd`` on leaves that share the params' storage (nothing is copied and no
     ``.grad`` of yours is touched); inside [`accumulate()`][gradaccum.accumulate], the fast path.
+    Under a ``torch.func`` transform (``vmap`` for per-sample gradients, ``jacrev`` or
+    ``jacfwd`` for a Hessian) and under ``torch.compile`` it runs ``torch.func.grad``, which
+    composes with them.
 
     Args:
         fn: A function of the params (and more arguments) returning a scalar loss tensor, or
@@ -290,7 +293,7 @@ def _check_has_aux(name: str, has_aux: object) -> bool:
     return has_aux
 
 
-# -- torch.func transforms around gradaccum (docs/concepts.md, "Transforms") ------------------
+# -- torch.func transforms around gradaccum (accumulate's docstring) --------------------------
 
 # torch's own test for a running torch.func transform (torch.autograd.Function.apply uses it): a
 # functorch dynamic layer is in this thread's dispatch keys. Dynamo traces it as a constant.

@@ -184,7 +184,9 @@ class Accumulator:
                 wrong type, or a metric is not a real number or 0-dim tensor.
             ValueError: ``grads`` does not match ``params`` (the message names the key path),
                 ``size``/``count`` is missing or out of range, a metric is a tensor of more
-                than one element, or the metrics' names differ from the window's earlier ones.
+                than one element, or the metrics' names differ from the window's earlier ones;
+                a call under a ``torch.func`` transform (``jacrev``, ``vmap``, ...): the window
+                is accumulated, never differentiated through or batched.
         """
         where = "Accumulator.add(state, grads)"
         check_no_transform(where)
@@ -223,7 +225,8 @@ class Accumulator:
                 with ``sync``, rows) add up to 0. Without ``sync``, counts given as tensors are
                 not checked (that would synchronise with the device): a zero total then gives
                 non-finite gradients, which [`assert_finite()`][gradaccum.testing.assert_finite]
-                reports.
+                reports. A call under a ``torch.func`` transform, as in
+                [`add()`][gradaccum.Accumulator.add].
             GradAccumError: With ``sync``: the ranks disagree on the gradient tree or the
                 metrics' names, are at different windows (``state.window`` or ``state.epoch``),
                 another rank failed in the window, or a collective failed or timed out.

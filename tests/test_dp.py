@@ -234,6 +234,25 @@ def test_the_default_reduction_is_the_clipped_mean() -> None:
     assert _diff(step(params, batch), want) < 1e-12
 
 
+def test_a_transform_of_yours_marked_sums_rows_gives_the_mean() -> None:
+    params, batch = make(rows=11)
+    clip = gradaccum.privacy.clip_per_sample(C)
+
+    def clip_and_sum(per_sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return clip(per_sample)
+
+    want = {k: v / 11 for k, v in clipped(params, batch).items()}
+    # Unmarked, its output is weighted as a micro-batch's mean would be, by its rows: with one
+    # row per micro-batch that is the same mean, with more it is not.
+    unmarked = gradaccum.accumulate(PER_SAMPLE, 11, micro_transform=clip_and_sum)
+    assert _diff(unmarked(params, batch), want) < 1e-12
+    unmarked = gradaccum.accumulate(PER_SAMPLE, 3, micro_transform=clip_and_sum)
+    assert _diff(unmarked(params, batch), want) > 1e-3
+    clip_and_sum.sums_rows = True  # type: ignore[attr-defined]
+    marked = gradaccum.accumulate(PER_SAMPLE, 3, micro_transform=clip_and_sum)
+    assert _diff(marked(params, batch), want) < 1e-12
+
+
 def test_clip_per_sample_under_mean_needs_one_sample_per_row() -> None:
     params, batch = make(rows=6)
 
