@@ -272,8 +272,9 @@ def _check_samples(call: str, transform: Any, grads: Any, rows: int) -> None:
     leaves, _ = _tree.flatten(grads)
     first = leaves[0] if leaves else None
     if isinstance(first, torch.Tensor) and first.dim() and first.shape[0] != rows:
+        name = getattr(transform, "__name__", None) or repr(transform)
         raise ValueError(
-            f"{call}: with reduction='mean', micro_transform={transform!r} sums over the "
+            f"{call}: with reduction='mean', micro_transform={name} sums over the "
             f"micro-batch's samples, one per row, so the window's gradient is their mean over "
             f"the rows; but step_fn returned gradients with {first.shape[0]} samples (leading "
             f"dim) for a micro-batch of {rows} rows. Return one gradient per row, e.g. "
