@@ -48,7 +48,10 @@ def accumulate(
     transform (``jacrev``, ``jacfwd``, ``hessian``, ``grad``, ``vjp``, ``jvp``, ``vmap``,
     ``functionalize``), which would otherwise see zeros or fail. Take higher derivatives of the
     whole-batch gradient (``torch.func.hessian(loss_fn)``) and put ``vmap`` inside the step
-    function (per-sample gradients); ``torch.compile`` over the returned function works.
+    function (per-sample gradients); ``torch.compile`` over the returned function works. The
+    returned gradients do not require grad: ``torch.autograd.functional.jacobian``, which runs
+    no ``torch.func`` transform and cannot be detected, reports zeros for them under its
+    default ``strict=False``, as for any such output (``strict=True`` raises).
 
     Args:
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
