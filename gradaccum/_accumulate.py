@@ -10,7 +10,7 @@ import torch
 
 from . import _engine, _reduce, _split
 from ._accum_state import AccumState
-from ._autograd import GradFn, from_torch_func
+from ._autograd import GradFn, check_no_transform, from_torch_func
 from ._errors import describe
 from ._layout import Layout, check_accum_dtype, check_n
 from ._window import LOCAL, Sync, WindowSpec, check_sync
@@ -42,6 +42,16 @@ def accumulate(
     window's gradient. Under the default ``mean`` reduction this equals ``step_fn`` on the whole
     batch (within float tolerance), whatever the micro-batch sizes, while peak memory is that of
     one micro-batch.
+
+    Gradients are accumulated, never differentiated through: the returned function adds into
+    running sums in place, outside autograd, so it refuses to run under a ``torch.func``
+    transform (``jacrev``, ``jacfwd``, ``hessian``, ``grad``, ``vjp``, ``jvp``, ``vmap``,
+    ``functionalize``), which would otherwise see zeros or fail. Take higher derivatives of the
+    whole-batch gradient (``torch.func.hessian(loss_fn)``) and put ``vmap`` inside the step
+    function (per-sample gradients); ``torch.compile`` over the returned function works. The
+    returned gradients do not require grad: ``torch.autograd.functional.jacobian``, which runs
+    no ``torch.func`` transform and cannot be detected, reports zeros for them under its
+    default ``strict=False``, as for any such output (``strict=True`` raises).
 
     Args:
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
@@ -97,7 +107,13 @@ def accumulate(
         micro_transform: A function applied to each micro-batch's gradients (the tree
             ``step_fn`` returns) before they are added, e.g. per-sample clipping of
             ``vmap``-ed per-sample gradients followed by their sum; it must return gradients
-            shaped like the params. It turns the fast path off (it needs each gradient tree).
+            shaped like the params. Its output is weighted as ``step_fn``'s would be (under
+            ``"mean"``, by the micro-batch's rows), unless it has the attribute
+            ``sums_rows = True``, as [`clip_per_sample()`][gradaccum.privacy.clip_per_sample]
+            does: its output is then a sum over the micro-batch's rows (one sample per row,
+            checked), added unweighted, so under ``"mean"`` the result is the mean over the
+            window's rows (with ``sync=``, every rank's) of the per-sample results. It turns the
+            fast path off (it needs each gradient tree).
 
     Returns:
         A function with the signature of ``step_fn`` returning the accumulated ``grads``, or
@@ -108,7 +124,8 @@ def accumulate(
             non-floating gradients, or a ``step_fn`` output of the wrong shape for ``has_aux``
             (at the call of the returned function).
         ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
-            match ``params`` (the message names the key path). Nothing is mutated.
+            match ``params`` (the message names the key path); a call under a ``torch.func``
+            transform (the message names it and gives the fix). Nothing is mutated.
         GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
             failed during the window, or a collective failed or timed out.
 
@@ -187,6 +204,7 @@ def accumulate(
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
+        check_no_transform(call)  # before anything: a refused call changes nothing
         if len(args) <= max(batch_argnum, *grad_args):
             raise TypeError(
                 f"{call}: expected the params at position(s) {list(grad_args)} and the batch "

@@ -18,6 +18,8 @@ from ._layout import make_layout
 __all__ = [
     "CheckpointGuard",
     "GradFn",
+    "active_transform",
+    "check_no_transform",
     "explain_checkpoint",
     "from_torch_func",
     "grad",
@@ -59,9 +61,11 @@ class GradFn:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = f"{self!r}(...)"
         make_layout(where, self._target(where, args), None)  # floating leaves only
-        if torch.compiler.is_compiling():
-            # Dynamo does not trace torch.autograd.grad on fresh leaves; the torch.func
-            # transform of the same name computes the same gradients inside the graph.
+        if torch.compiler.is_compiling() or active_transform() is not None:
+            # Dynamo does not trace torch.autograd.grad on fresh leaves, and a torch.func
+            # transform around this call (vmap for per-sample gradients, jacrev for a Hessian)
+            # cannot see through torch.autograd: the torch.func function of the same name
+            # computes the same gradients, inside the graph and composed with the transform.
             func = torch.func.grad_and_value if self.with_value else torch.func.grad
             return func(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
         new_args, leaves, spec = self.alias(where, args)
@@ -153,6 +157,9 @@ def grad(
     Same signature and result as ``torch.func.grad`` (first-order), computed by
     ``torch.autograd`` on leaves that share the params' storage (nothing is copied and no
     ``.grad`` of yours is touched); inside [`accumulate()`][gradaccum.accumulate], the fast path.
+    Under a ``torch.func`` transform (``vmap`` for per-sample gradients, ``jacrev`` or
+    ``jacfwd`` for a Hessian) and under ``torch.compile`` it runs ``torch.func.grad``, which
+    composes with them.
 
     Args:
         fn: A function of the params (and more arguments) returning a scalar loss tensor, or
@@ -284,6 +291,76 @@ def _check_has_aux(name: str, has_aux: object) -> bool:
             f"pass has_aux=True if fn returns (loss, aux), else has_aux=False."
         )
     return has_aux
+
+
+# -- torch.func transforms around gradaccum (accumulate's docstring) --------------------------
+
+# torch's own test for a running torch.func transform (torch.autograd.Function.apply uses it): a
+# functorch dynamic layer is in this thread's dispatch keys. Dynamo traces it as a constant.
+_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+# The kind of the innermost transform -> the torch.func functions that run one around a call.
+# jacrev runs its function under a grad level (its vmap batches the backward, not the call);
+# jacfwd is vmap over jvp, so the innermost level is jvp; hessian is jacfwd over jacrev.
+_KINDS = {
+    "Grad": "torch.func.grad, grad_and_value, vjp, jacrev or hessian",
+    "Jvp": "torch.func.jvp or jacfwd",
+    "Vmap": "torch.func.vmap",
+    "Functionalize": "torch.func.functionalize",
+}
+
+
+def active_transform() -> str | None:
+    """The innermost torch.func transform running around the caller, in words; None if none.
+
+    E.g. ``"torch.func.vmap"``, or ``"torch.func.grad, grad_and_value, vjp, jacrev or hessian"``
+    (the functions that run a grad level: which one is not recorded).
+    """
+    if not _transforms_active():
+        return None
+    top = torch._C._functorch.peek_interpreter_stack()
+    kind = top.key().name if top is not None else "unknown"
+    return _KINDS.get(kind, f"a torch.func transform ({kind})")
+
+
+def check_no_transform(where: str) -> None:
+    """Refuse a call of the accumulation under a torch.func transform, naming the transform.
+
+    The window adds each micro-batch's gradient into running sums in place, outside autograd
+    and one window per call: a derivative through it would silently be zeros (jacrev), and
+    vmap cannot batch it. Gradients are accumulated, never differentiated through.
+    """
+    names = active_transform()
+    if names is None:
+        return
+    if names == _KINDS["Vmap"]:
+        why, fix = (
+            "accumulation cannot be batched: it adds each micro-batch's gradient into running "
+            "sums in place, one window at a time",
+            "for per-sample gradients, vmap the gradient function, inside the accumulation: "
+            "e.g. accumulate(torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0)), "
+            "n, micro_transform=gradaccum.privacy.clip_per_sample(1.0)); for several batches, "
+            "accumulate each in a Python loop, outside vmap",
+        )
+    elif names == _KINDS["Functionalize"]:
+        why, fix = (
+            "accumulation is not a pure function: it adds each micro-batch's gradient into "
+            "running sums in place, kept between calls",
+            "call it outside torch.func.functionalize; to compile it, pass the accumulated "
+            "function to torch.compile, which functionalizes what it traces itself",
+        )
+    else:
+        why, fix = (
+            "accumulation is not differentiable: gradients are accumulated, never "
+            "differentiated through, and each micro-batch's gradient is added into running "
+            "sums in place, outside autograd, so a derivative taken through them would be "
+            "zeros (torch.func.jacrev's Hessian) or fail",
+            "differentiate the whole-batch gradient, outside gradaccum: "
+            "torch.func.hessian(loss_fn)(params, batch), or torch.func.jacrev / jacfwd / jvp "
+            "over torch.func.grad(loss_fn) (a Hessian-vector product); over the same batch it "
+            "is the derivative of the accumulated gradient",
+        )
+    raise ValueError(f"{where}: called under {names}; {why}. Instead, {fix}.")
 
 
 # -- activation checkpointing (docs/checkpointing.md) -----------------------------------------

@@ -15,6 +15,7 @@ from ._compress import check_seed, finite_number, sum_flat
 from ._custom import CustomReduce, custom_reduce
 from ._errors import describe
 from ._mesh import axis
+from ._window import Window, WindowSpec
 
 __all__ = ["clip_per_sample", "dp_noise"]
 
@@ -36,10 +37,22 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
     """A ``micro_transform``: clip each sample's gradient to ``max_norm``, then sum the samples.
 
     For [`accumulate(..., micro_transform=...)`][gradaccum.accumulate] with a step function that
-    returns *per-sample* gradients (a leading sample dimension on every leaf), such as
-    ``torch.func.vmap(torch.func.grad(loss_of_one_sample), in_dims=(None, 0))``. Each sample's
-    gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is its 2-norm over
-    all leaves together; the clipped samples are summed. Use it with ``reduction="sum"``.
+    returns *per-sample* gradients (a leading sample dimension on every leaf, one sample per row
+    of the micro-batch), such as ``torch.func.vmap(torch.func.grad(loss_of_one_sample),
+    in_dims=(None, 0))``. Each sample's gradient is scaled by ``min(1, max_norm / (norm +
+    1e-6))``, where ``norm`` is its 2-norm over all leaves together; the clipped samples are
+    summed. The accumulated function then returns, over the window's rows (over every rank's,
+    with ``sync=``):
+
+    - ``reduction="mean"`` (the default): the **mean** of the clipped per-sample gradients, their
+      sum divided by the number of rows;
+    - ``reduction="sum"``: their **sum** (DP-SGD:
+      [`dp_noise()`][gradaccum.privacy.dp_noise] adds the noise to it and divides by the
+      expected batch size);
+    - ``reduction="count"``: their sum divided by the window's total count.
+
+    (The returned function has ``sums_rows = True``: its output is a sum over the micro-batch's
+    rows, which ``accumulate`` then adds unweighted.)
 
     Args:
         max_norm: The clipping bound ``C``, a positive number.
@@ -49,18 +62,47 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
         params).
 
     Raises:
-        ValueError: ``max_norm`` is not a positive, finite number.
+        ValueError: ``max_norm`` is not a positive, finite number; (when called) the gradient
+            leaves do not share one leading sample dimension; (in ``accumulate`` under
+            ``"mean"``) that dimension is not the micro-batch's rows.
 
     Examples:
         >>> import torch, gradaccum
         >>> clip = gradaccum.privacy.clip_per_sample(1.0)
         >>> clip({"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])})  # norms 5 and 0.5
         {'w': tensor([0.9000, 1.2000])}
+
+        Under the default ``reduction="mean"``, the mean over the rows of the clipped gradients:
+
+        >>> from torch.func import grad, vmap
+        >>> def loss_of_one(params, sample):
+        ...     return (sample @ params["w"]) ** 2
+        >>> step = gradaccum.accumulate(
+        ...     vmap(grad(loss_of_one), in_dims=(None, 0)), n=2, micro_transform=clip
+        ... )
+        >>> x = torch.tensor([[3.0, 0.0], [0.1, 0.0], [0.1, 0.0]])  # gradients 18, 0.02, 0.02
+        >>> step({"w": torch.tensor([1.0, 0.0])}, x)["w"]  # (1 + 0.02 + 0.02) / 3
+        tensor([0.3467, 0.0000])
     """
     where = "clip_per_sample(max_norm)"
-    bound = _positive(where, "max_norm", max_norm, "1.0")
+    return _ClippedSum(where, _positive(where, "max_norm", max_norm, "1.0"))
 
-    def clipped_sum(grads: T) -> T:
+
+class _ClippedSum:
+    """What [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] returns."""
+
+    # accumulate's micro_transform protocol: the output is a sum over the micro-batch's rows
+    # (one sample per row), so under reduction="mean" it is added unweighted and the window is
+    # divided by its total rows: the mean over the window's rows of the clipped gradients.
+    sums_rows = True
+
+    def __init__(self, where: str, bound: float) -> None:
+        self.where, self.max_norm = where, bound
+
+    def __repr__(self) -> str:
+        return f"clip_per_sample({self.max_norm:g})"
+
+    def __call__(self, grads: T) -> T:
         paths, leaves, spec = _tree.flatten_with_paths(grads)
         if not leaves:
             return grads
@@ -68,19 +110,17 @@ def clip_per_sample(max_norm: float) -> Callable[[T], T]:
         for path, g in zip(paths, leaves):
             if not isinstance(g, torch.Tensor) or g.dim() == 0 or g.shape[0] != rows:
                 raise ValueError(
-                    f"{where}: every gradient leaf needs the same leading sample dimension, but "
-                    f"leaf {path} is {describe(g)} and the first has {rows} rows; the step "
+                    f"{self.where}: every gradient leaf needs the same leading sample dimension, "
+                    f"but leaf {path} is {describe(g)} and the first has {rows} rows; the step "
                     f"function must return per-sample gradients, e.g. "
                     f"torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))."
                 )
         with torch.no_grad():
             squares = sum(g.reshape(rows, -1).pow(2).sum(1) for g in leaves)
             assert isinstance(squares, torch.Tensor)
-            factor = (bound / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+            factor = (self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
             out = [torch.einsum("b,b...->...", factor.to(g.dtype), g) for g in leaves]
         return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
-
-    return clipped_sum
 
 
 def dp_noise(
@@ -94,7 +134,8 @@ def dp_noise(
 ) -> CustomReduce:
     """The DP-SGD boundary: sum over the group, add Gaussian noise once, divide by ``L``.
 
-    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``, with ``reduction="sum"`` and
+    A [`custom_reduce()`][gradaccum.custom_reduce] for ``sync=``, with ``reduction="sum"`` (any
+    other is refused when a window opens) and
     [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the ``micro_transform``. The
     result is ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``: an exact sum
     over the group (one flat ``all_reduce`` per dtype), then noise drawn **once per window** from
@@ -117,7 +158,8 @@ def dp_noise(
 
     Raises:
         ValueError: A number is not positive and finite (``noise_multiplier`` may be 0: no
-            noise), or ``seed`` is not an int.
+            noise), or ``seed`` is not an int; (when a window opens) the reduction is not
+            ``"sum"``.
 
     Examples:
         >>> import torch, gradaccum
@@ -164,4 +206,26 @@ def dp_noise(
         return _tree.unflatten(spec, leaves), int(window) + 1
 
     noisy_sum.__name__ = f"dp_noise(noise_multiplier={noise_multiplier:g}, max_norm={bound:g})"
-    return custom_reduce(noisy_sum, init=lambda _: 0, group=group, timeout=timeout)
+    made = custom_reduce(noisy_sum, init=lambda _: 0, group=group, timeout=timeout)
+    return _DPNoise(made.fn, made.init, made.group, made.timeout, made.name)
+
+
+class _DPNoise(CustomReduce):
+    """What [`dp_noise()`][gradaccum.privacy.dp_noise] returns: it needs ``reduction="sum"``."""
+
+    def open(self, spec: WindowSpec) -> Window:
+        """Refuse a window that is not a plain sum, then open it as any custom reduction."""
+        if spec.reduction != "sum":
+            raise ValueError(
+                f"{spec.where}: sync={self.name} needs reduction='sum', got "
+                f"reduction={spec.reduction!r}: DP-SGD adds the noise to the sum of the clipped "
+                f"per-sample gradients and divides by the expected batch size itself, so the "
+                f"window must hold that sum (a mean or count would be divided twice, and the "
+                f"noise would not match the clipping). Pass reduction='sum', and sum the "
+                f"clipped per-sample gradients: "
+                f"micro_transform=gradaccum.privacy.clip_per_sample(max_norm)."
+            )
+        return super().open(spec)
+
+    def __repr__(self) -> str:
+        return self.name

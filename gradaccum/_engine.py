@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _reduce
+from . import _reduce, _tree
 from ._accum_state import AccumState
 from ._autograd import CheckpointGuard, GradFn, explain_checkpoint
 from ._errors import describe
@@ -53,7 +53,9 @@ def run(
     """Run the window's micro-batches; the state and window in ``win`` record the progress.
 
     ``traceable``: ``fast`` came from a torch.func function, which Dynamo traces on the generic
-    path when this frame is being compiled.
+    path when this frame is being compiled. A ``micro_transform`` with ``sums_rows = True``
+    returns a sum over the micro-batch's rows: under ``mean`` it is added unweighted (the
+    window's total rows divide the sum at the boundary), not weighted by its rows.
     """
     assert win.window is not None
     win.window.begin(len(micro))
@@ -65,6 +67,7 @@ def run(
     window = win.window
     given = args[argnum] if argnum is not None else None
     hint = window.hint if window.layout.wide and reduction == "mean" else None  # as in _fast
+    summed = reduction == "mean" and getattr(micro_transform, "sums_rows", False) is True
     for j, (mb, rows) in enumerate(micro):
         cur = _with_params(args, argnum, window.params(j, given), given)
         try:
@@ -75,9 +78,13 @@ def run(
                 raise
             raise clear from err
         grads, aux = _unpack(call, out) if has_aux else (out, None)
+        if summed:
+            _check_samples(call, micro_transform, grads, rows)
         if micro_transform is not None:
             grads = micro_transform(grads)
         raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
+        if summed:  # a sum over the rows already: the boundary divides by the total rows
+            alpha = 1
         what = call if micro_transform is None else f"{call} after micro_transform"
         window.add(check_grads(what, window.layout, grads), alpha / hint if hint else alpha)
         window.step()
@@ -258,6 +265,22 @@ def _with_params(args: tuple[Any, ...], argnum: int | None, params: Any, given: 
     new = list(args)
     new[argnum] = params
     return new
+
+
+def _check_samples(call: str, transform: Any, grads: Any, rows: int) -> None:
+    """Under ``mean``, a transform that sums over samples must get one sample per row."""
+    leaves, _ = _tree.flatten(grads)
+    first = leaves[0] if leaves else None
+    if isinstance(first, torch.Tensor) and first.dim() and first.shape[0] != rows:
+        name = getattr(transform, "__name__", None) or repr(transform)
+        raise ValueError(
+            f"{call}: with reduction='mean', micro_transform={name} sums over the "
+            f"micro-batch's samples, one per row, so the window's gradient is their mean over "
+            f"the rows; but step_fn returned gradients with {first.shape[0]} samples (leading "
+            f"dim) for a micro-batch of {rows} rows. Return one gradient per row, e.g. "
+            f"torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0)), or pass "
+            f"reduction='sum' (the clipped sum) and divide it yourself."
+        )
 
 
 def _unpack(call: str, out: Any) -> tuple[Any, Any]:

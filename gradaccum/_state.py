@@ -11,6 +11,7 @@ import torch
 
 from . import _metrics, _reduce, _tree
 from ._accum_state import AccumState, check_live, check_state, pass_on
+from ._autograd import check_no_transform
 from ._layout import check_accum_dtype, check_grads, check_n, micro_weight
 from ._metrics import WindowStats
 from ._window import LOCAL, Sync, Window, WindowSpec, check_sync
@@ -183,9 +184,12 @@ class Accumulator:
                 wrong type, or a metric is not a real number or 0-dim tensor.
             ValueError: ``grads`` does not match ``params`` (the message names the key path),
                 ``size``/``count`` is missing or out of range, a metric is a tensor of more
-                than one element, or the metrics' names differ from the window's earlier ones.
+                than one element, or the metrics' names differ from the window's earlier ones;
+                a call under a ``torch.func`` transform (``jacrev``, ``vmap``, ...): the window
+                is accumulated, never differentiated through or batched.
         """
         where = "Accumulator.add(state, grads)"
+        check_no_transform(where)
         check_state(where, state)
         check_live(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
@@ -221,7 +225,8 @@ class Accumulator:
                 with ``sync``, rows) add up to 0. Without ``sync``, counts given as tensors are
                 not checked (that would synchronise with the device): a zero total then gives
                 non-finite gradients, which [`assert_finite()`][gradaccum.testing.assert_finite]
-                reports.
+                reports. A call under a ``torch.func`` transform, as in
+                [`add()`][gradaccum.Accumulator.add].
             GradAccumError: With ``sync``: the ranks disagree on the gradient tree or the
                 metrics' names, are at different windows (``state.window`` or ``state.epoch``),
                 another rank failed in the window, or a collective failed or timed out.
@@ -266,6 +271,7 @@ class Accumulator:
         self, where: str, state: AccumState[T], by: str, stats: bool = False
     ) -> tuple[T, AccumState[T], Any]:
         """The boundary of ``finalize`` and ``boundary``: the stats only when asked for."""
+        check_no_transform(where)
         check_state(where, state)
         check_live(where, state)
         names = _metrics.names_of(state.metrics)

@@ -3,12 +3,16 @@
 Checked against a plain loop over samples (float64), in one process and on 2 gloo processes:
 the clipping bound, the sum, the division by the expected batch size, the noise scale (std
 sigma * C / L, drawn once per window, not once per rank), identical noise on every rank, a new
-draw each window, and the same draws after resuming from a checkpoint.
+draw each window, and the same draws after resuming from a checkpoint. ``clip_per_sample`` under
+each reduction, ragged micro-batches included: ``"mean"`` (the default) gives the mean over the
+window's rows of the clipped per-sample gradients, ``"sum"`` their sum, ``"count"`` their sum over
+the counts; ``dp_noise`` refuses any reduction but ``"sum"``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -49,6 +53,11 @@ def reference(params: dict[str, torch.Tensor], batch: Any, size: float) -> dict[
         for k in total:
             total[k] += factor * g[k]
     return {k: v / size for k, v in total.items()}
+
+
+def clipped(params: dict[str, torch.Tensor], batch: Any) -> dict[str, torch.Tensor]:
+    """The sum of the clipped per-sample gradients, one sample at a time."""
+    return reference(params, batch, 1.0)
 
 
 def dp_step(n: int, sigma: float, size: float, seed: int = 0) -> Any:
@@ -180,6 +189,144 @@ def test_checkpointed_accumulator_resumes_the_same_noise(tmp_path: Any) -> None:
         assert all(torch.equal(g[k], h[k]) for k in g)
 
 
+# -- clip_per_sample under each reduction ------------------------------------------------------
+
+PER_SAMPLE = vmap(grad(sample_loss), in_dims=(None, 0))
+
+
+def _ragged(batch: Any, sizes: list[int]) -> gradaccum.MicroBatches[Any]:
+    x, y = batch
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    return gradaccum.MicroBatches([(x[e - k : e], y[e - k : e]) for e, k in zip(ends, sizes)])
+
+
+@pytest.mark.parametrize("split", [1, 3, 4, 11, [1, 7, 3], [6, 5]])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "count"])
+def test_clip_per_sample_under_each_reduction(reduction: str, split: Any) -> None:
+    params, batch = make(rows=11)
+    total = clipped(params, batch)
+    # Not vacuous: clipping changes the sum, so a wrong weighting cannot pass.
+    assert _diff(total, grad(lambda p, b: sample_loss(p, b).sum())(params, batch)) > 0.1
+    want = total if reduction == "sum" else {k: v / 11 for k, v in total.items()}
+    kwargs: dict[str, Any] = {}
+    step_fn: Any = PER_SAMPLE
+    if reduction == "count":  # the summed loss of the micro-batch covers one item per row
+        kwargs = {"has_aux": True, "count": lambda rows: rows}
+        step_fn = lambda p, b: (PER_SAMPLE(p, b), len(b[1]))  # noqa: E731
+    step = gradaccum.accumulate(
+        step_fn,
+        split if isinstance(split, int) else len(split),
+        reduction=reduction,  # type: ignore[arg-type]
+        micro_transform=gradaccum.privacy.clip_per_sample(C),
+        **kwargs,
+    )
+    given = batch if isinstance(split, int) else _ragged(batch, split)
+    got = step(params, given)
+    got = got[0] if reduction == "count" else got
+    assert _diff(got, want) < 1e-12
+
+
+def test_the_default_reduction_is_the_clipped_mean() -> None:
+    """The issue's probe: under "mean", neither the clipped mean nor the clipped sum came out."""
+    params, batch = make(rows=12)
+    step = gradaccum.accumulate(PER_SAMPLE, 3, micro_transform=gradaccum.privacy.clip_per_sample(C))
+    want = {k: v / 12 for k, v in clipped(params, batch).items()}
+    assert _diff(step(params, batch), want) < 1e-12
+
+
+def test_a_transform_of_yours_marked_sums_rows_gives_the_mean() -> None:
+    params, batch = make(rows=11)
+    clip = gradaccum.privacy.clip_per_sample(C)
+
+    def clip_and_sum(per_sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return clip(per_sample)
+
+    want = {k: v / 11 for k, v in clipped(params, batch).items()}
+    # Unmarked, its output is weighted as a micro-batch's mean would be, by its rows: with one
+    # row per micro-batch that is the same mean, with more it is not.
+    unmarked = gradaccum.accumulate(PER_SAMPLE, 11, micro_transform=clip_and_sum)
+    assert _diff(unmarked(params, batch), want) < 1e-12
+    unmarked = gradaccum.accumulate(PER_SAMPLE, 3, micro_transform=clip_and_sum)
+    assert _diff(unmarked(params, batch), want) > 1e-3
+    clip_and_sum.sums_rows = True  # type: ignore[attr-defined]
+    marked = gradaccum.accumulate(PER_SAMPLE, 3, micro_transform=clip_and_sum)
+    assert _diff(marked(params, batch), want) < 1e-12
+
+
+def test_clip_per_sample_under_mean_needs_one_sample_per_row() -> None:
+    params, batch = make(rows=6)
+
+    def twice_per_row(p: dict[str, torch.Tensor], b: Any) -> dict[str, torch.Tensor]:
+        x, y = b
+        return PER_SAMPLE(p, (torch.cat([x, x]), torch.cat([y, y])))
+
+    clip = gradaccum.privacy.clip_per_sample(C)
+    step = gradaccum.accumulate(twice_per_row, 2, micro_transform=clip)
+    message = (
+        "accumulate(twice_per_row, n=2)(...): with reduction='mean', "
+        "micro_transform=clip_per_sample(1) sums over the micro-batch's samples, one per row, "
+        "so the window's gradient is their mean over the rows; but step_fn returned gradients "
+        "with 6 samples (leading dim) for a micro-batch of 3 rows. Return one gradient per row, "
+        "e.g. torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0)), or pass "
+        "reduction='sum' (the clipped sum) and divide it yourself."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        step(params, batch)
+    # Under "sum" the samples are whatever the step function returns: each row counted twice.
+    step = gradaccum.accumulate(twice_per_row, 2, reduction="sum", micro_transform=clip)
+    assert _diff(step(params, batch), {k: 2 * v for k, v in clipped(params, batch).items()}) < 1e-12
+
+
+def _dp_refusal(where: str, reduction: str) -> str:
+    return (
+        f"{where}: sync=dp_noise(noise_multiplier=0, max_norm=1) needs reduction='sum', got "
+        f"reduction='{reduction}': DP-SGD adds the noise to the sum of the clipped per-sample "
+        f"gradients and divides by the expected batch size itself, so the window must hold that "
+        f"sum (a mean or count would be divided twice, and the noise would not match the "
+        f"clipping). Pass reduction='sum', and sum the clipped per-sample gradients: "
+        f"micro_transform=gradaccum.privacy.clip_per_sample(max_norm)."
+    )
+
+
+def test_dp_noise_refuses_mean_and_count() -> None:
+    params, batch = make(rows=8)
+    clip = gradaccum.privacy.clip_per_sample(C)
+    noise = gradaccum.privacy.dp_noise(0.0, C, 8.0)
+    assert repr(noise) == "dp_noise(noise_multiplier=0, max_norm=1)"
+    step = gradaccum.accumulate(PER_SAMPLE, 2, micro_transform=clip, sync=noise)
+    with pytest.raises(
+        ValueError, match=re.escape(_dp_refusal("accumulate(sample_loss, n=2)(...)", "mean"))
+    ):
+        step(params, batch)
+    assert noise.state is None  # no window was reduced
+
+    def with_rows(p: dict[str, torch.Tensor], b: Any) -> tuple[Any, int]:
+        return PER_SAMPLE(p, b), len(b[1])
+
+    step = gradaccum.accumulate(
+        with_rows,
+        2,
+        reduction="count",
+        has_aux=True,
+        count=lambda r: r,
+        micro_transform=clip,
+        sync=noise,
+    )
+    with pytest.raises(
+        ValueError, match=re.escape(_dp_refusal("accumulate(with_rows, n=2)(...)", "count"))
+    ):
+        step(params, batch)
+    acc = gradaccum.Accumulator(2, sync=noise)
+    state = acc.init(params)
+    with pytest.raises(
+        ValueError, match=re.escape(_dp_refusal("Accumulator.add(state, grads)", "mean"))
+    ):
+        acc.add(state, clip(PER_SAMPLE(params, batch)), size=8)
+    # Under "sum" it is the clipped sum over the expected batch size.
+    step = gradaccum.accumulate(PER_SAMPLE, 2, reduction="sum", micro_transform=clip, sync=noise)
+    assert _diff(step(params, batch), reference(params, batch, 8.0)) < 1e-12
+
+
 # -- 2 processes -----------------------------------------------------------------------------------
 
 
@@ -219,3 +366,47 @@ def test_two_ranks_sum_exactly_and_add_the_same_noise_once() -> None:
     # Added once after the sum, not once per rank: std sigma * C / L, not sqrt(2) times that.
     assert abs(float(r0["noise"].std()) / (1.5 * C / 10.0) - 1) < 0.015
     assert r0["kinds"] == [("all_reduce", "weight"), ("all_reduce", "gradients")]
+
+
+def _two_ranks_reductions(rank: int, world: int) -> dict[str, Any]:
+    params, batch = make(rows=12)
+    x, y = batch
+    clip = gradaccum.privacy.clip_per_sample(C)
+    out: dict[str, Any] = {}
+    for split in (7, 12):  # rows of rank 0: uneven, and rank 1 empty
+        mine = (x[:split], y[:split]) if rank == 0 else (x[split:], y[split:])
+        for n in (1, 3):
+            mean = gradaccum.accumulate(
+                PER_SAMPLE, n, micro_transform=clip, sync=gradaccum.all_reduce()
+            )
+            summed = gradaccum.accumulate(
+                PER_SAMPLE, n, reduction="sum", micro_transform=clip, sync=gradaccum.all_reduce()
+            )
+            out[f"mean {split} n={n}"] = _diff(mean(params, mine), reference(params, batch, 12.0))
+            out[f"sum {split} n={n}"] = _diff(summed(params, mine), clipped(params, batch))
+    # Ragged micro-batches of each rank's own sizes, under dp_noise with sigma 0.
+    mine = _ragged((x[:7], y[:7]), [1, 4, 2]) if rank == 0 else _ragged((x[7:], y[7:]), [5])
+    noise = gradaccum.privacy.dp_noise(0.0, C, 16.0)
+    step = gradaccum.accumulate(PER_SAMPLE, 3, reduction="sum", micro_transform=clip, sync=noise)
+    out["dp_noise ragged"] = _diff(step(params, mine), reference(params, batch, 16.0))
+    # dp_noise under "mean": refused on every rank before any collective; the next call works.
+    step = gradaccum.accumulate(PER_SAMPLE, 2, micro_transform=clip, sync=noise)
+    try:
+        step(params, mine)
+        out["refused"] = None
+    except ValueError as err:
+        out["refused"] = str(err)
+    step = gradaccum.accumulate(PER_SAMPLE, 2, reduction="sum", micro_transform=clip, sync=noise)
+    out["after"] = _diff(step(params, mine), reference(params, batch, 16.0))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_two_ranks_clip_per_sample_mean_and_sum_equal_the_loop() -> None:
+    for rank, out in enumerate(values(run(_two_ranks_reductions))):
+        diffs = {k: v for k, v in out.items() if k not in ("refused",)}
+        assert len(diffs) == 2 * 2 * 2 + 2
+        bad = {k: v for k, v in diffs.items() if not v < 1e-12}
+        assert not bad, (rank, bad)
+        assert out["refused"] == _dp_refusal("accumulate(sample_loss, n=2)(...)", "mean"), rank
