@@ -54,7 +54,7 @@ from ._loop_step import Step
 __all__ = ["load", "save"]
 
 FORMAT = "gradaccum.loop.checkpoint/2"
-OLDER = {"gradaccum.loop.checkpoint/1": "gradaccum before the save identity (issue 26)"}
+OLDER = {"gradaccum.loop.checkpoint/1": "before checkpoints carried a save identity"}
 RUN_KEY = "gradaccum.loop.run"
 _local_run: int | None = None
 _counts: dict[int, int] = {}  # this process's saves, per run token
@@ -352,12 +352,17 @@ def _prepare(
             f"but this is rank {rank} of {world}; each rank's window and data position are "
             f"its own: resume on {own['world']}."
         )
-    for label, given, key in (("a step", step, "step"), ("data", data, "data")):
-        if (given is None) != (key not in own):
+    for label, given, key in (("a step", step, "step"), ("a data position", data, "data")):
+        if given is not None and key not in own:
             raise ValueError(
-                f"{where}: {label} is {'not ' if given is None else ''}given but the "
-                f"checkpoint {'holds' if given is None else 'does not hold'} one; pass what "
-                f"was saved (the data: data= or Step(..., data=))."
+                f"{where}: {label} is to be loaded but the checkpoint holds none; load only what "
+                f"was saved (save(path, step) saves the step's data too)."
+            )
+        if given is None and key in own:
+            what = "pass the step" if key == "step" else "pass data= (or Step(..., data=))"
+            raise ValueError(
+                f"{where}: the checkpoint holds {label} but none is given; {what} to resume "
+                f"where the saved run was."
             )
     ident: list[int] = own["save"]
     apply_step: Callable[[], None] = lambda: None  # noqa: E731

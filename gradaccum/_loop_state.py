@@ -38,8 +38,10 @@ def kind(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _short(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
+def _names(saved: str, mine: str) -> tuple[str, str]:
+    """Two classes by their names, with their modules when the names alone are the same."""
+    a, b = saved.rsplit(".", 1)[-1], mine.rsplit(".", 1)[-1]
+    return (saved, mine) if a == b else (a, b)
 
 
 def optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -94,15 +96,11 @@ def _check_model(where: str, model: torch.nn.Module, saved: dict[str, Any]) -> N
 def _check_optimizer(where: str, step: Any, sd: dict[str, Any]) -> None:
     saved_kind, mine = sd["optimizer_kind"], kind(step.optimizer)
     if saved_kind != mine:
-        a, b = (
-            (saved_kind, mine)
-            if _short(saved_kind) == _short(mine)
-            else map(_short, (saved_kind, mine))
-        )
+        a, b = _names(saved_kind, mine)
         raise ValueError(
-            f"{where}: the checkpoint's optimizer is a {a}, this one a {b}; its state (e.g. "
-            f"momentum, moments) holds only for the optimizer it came from: build a {a} as "
-            f"the one that was saved."
+            f"{where}: the checkpoint's optimizer is {a}, this one {b}; its state (momentum, "
+            f"moments) holds only for the optimizer it came from: build the optimizer as "
+            f"{a}(...), as in the run that was saved."
         )
     saved, here = sd["optimizer_params"], optimizer_params(step.model, step.optimizer)
     if len(saved) != len(here):
@@ -137,10 +135,10 @@ def _check_scheduler(where: str, step: Any, sd: dict[str, Any]) -> None:
             f"one {'has one' if sched is not None else 'has none'}; {REBUILD}."
         )
     if sched is not None and sd["scheduler_kind"] != kind(sched):
-        a, b = _short(sd["scheduler_kind"]), _short(kind(sched))
+        a, b = _names(sd["scheduler_kind"], kind(sched))
         raise ValueError(
-            f"{where}: the checkpoint's scheduler is a {a}, this one a {b}; build a {a} as the "
-            f"one that was saved."
+            f"{where}: the checkpoint's scheduler is {a}, this one {b}; build the scheduler "
+            f"as {a}(...), as in the run that was saved."
         )
 
 
@@ -164,10 +162,15 @@ def _check_window(where: str, step: Any, sd: dict[str, Any]) -> Any:
         if saved != here:
             gone = [k for k in saved if k not in here]
             new = [k for k in here if k not in saved]
+            diff = []
+            if gone:
+                diff.append(f"{_few(gone)} not trained here (requires_grad=False)")
+            if new:
+                diff.append(f"{_few(new)} trained here only")
             raise ValueError(
-                f"{where}: the checkpoint's step trained the parameters {_few(saved)}, this one "
-                f"trains {_few(here)} (not trained here: {gone}; new here: {new}); set "
-                f"requires_grad as in the run that was saved before building the Step."
+                f"{where}: the checkpoint's step trained {len(saved)} parameter(s), this one "
+                f"{len(here)}: {'; '.join(diff) or 'in another order'}; set requires_grad as "
+                f"in the run that was saved, before building the Step."
             )
     try:
         return step.acc.load_state_dict(step.state, acc)

@@ -12,11 +12,10 @@ import functools
 import random
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
-import dist
+import dist  # noqa: F401 - used below, by the tests over 2 ranks
 import pytest
 import torch
 from torch import nn
@@ -28,6 +27,11 @@ from gradaccum.loop import Step, load, save, windows
 
 SAVE = "gradaccum.loop.save(path, step, data=...)"
 LOAD = "gradaccum.loop.load(path, step, data=...)"
+
+
+def raises(error: type[Exception], message: str):
+    """``pytest.raises`` of the whole message."""
+    return pytest.raises(error, match=f"^{re.escape(message)}$")
 
 
 def make_model(seed: int = 0, hidden: int = 8, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -165,7 +169,9 @@ def build(seed: int = 0, sync=None, hidden: int = 8, dtype=torch.float64, **opti
         model[0].bias.requires_grad_(False)
     opt, sched = make_optim(model, options.get("opt", "adamw"), options.get("scheduler", "lambda"))
     reduction = options.get("reduction", "mean")
-    step = Step(model, mse, optimizer=opt, scheduler=sched, clip=1.0, reduction=reduction, sync=sync)
+    step = Step(
+        model, mse, optimizer=opt, scheduler=sched, clip=1.0, reduction=reduction, sync=sync
+    )
     return step, windows(loader(dtype), options.get("n", 4), epochs=2, sync=sync)
 
 
@@ -210,3 +216,372 @@ def test_a_refused_load_leaves_no_trace(tmp_path) -> None:
     (tmp_path / "bad" / "rank0.pt").write_bytes((tmp_path / "bad" / "rank0.pt").read_bytes()[:999])
     resumed = train(tmp_path / "good", resume=True, refused=tmp_path / "bad")
     assert equal(resumed, whole())
+
+
+# -- refusals: each leaves the step, the data and the random states bit-identical ---------------
+
+
+def state_of(step: Step, data) -> dict[str, Any]:
+    """Everything a load may change, copied: the step (model, optimizer, scheduler, window),
+    the data position, the random states."""
+    return copy.deepcopy(
+        {
+            "step": step.state_dict(),
+            "data": data.state_dict(),
+            "rng": [torch.get_rng_state(), random.getstate()],
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A mid-window checkpoint (window 2, 2 micro-batches added) of the run of seed 0."""
+    path = tmp_path_factory.mktemp("checkpoint")
+    torch.manual_seed(0)
+    step, data = build()
+    advance(step, data, (2, 2))
+    save(path, step, data=data)
+    return path
+
+
+def refused(path, error: type[Exception], message: str, **options) -> None:
+    """A step and data a little way into a run of their own refuse ``path``, unchanged."""
+    torch.manual_seed(7)
+    step, data = build(seed=1, **options)
+    advance(step, data, (1, 2))
+    before = state_of(step, data)
+    with raises(error, message):
+        load(path, step, data=data)
+    assert equal(state_of(step, data), before)
+
+
+FIX_MODEL = "build the model as the one that was saved (the same shapes and dtype)."
+STEPS = {
+    "model-shape": (
+        {"hidden": 9},
+        "the checkpoint's model does not fit this model: '0.weight' is a float64 tensor of "
+        f"shape (8, 5) in the checkpoint, but a float64 tensor of shape (9, 5) in this model; "
+        f"{FIX_MODEL}",
+    ),
+    "model-dtype": (
+        {"dtype": torch.float32},
+        "the checkpoint's model does not fit this model: '0.weight' is a float64 tensor of "
+        f"shape (8, 5) in the checkpoint, but a float32 tensor of shape (8, 5) in this model; "
+        f"{FIX_MODEL}",
+    ),
+    "optimizer-kind": (
+        {"opt": "sgd"},
+        "the checkpoint's optimizer is AdamW, this one SGD; its state (momentum, moments) "
+        "holds only for the optimizer it came from: build the optimizer as AdamW(...), as in "
+        "the run that was saved.",
+    ),
+    "optimizer-groups": (
+        {"opt": "groups"},
+        "the checkpoint's optimizer has 1 parameter group(s), this one 2; build the optimizer "
+        "over the same parameter groups as the one that was saved.",
+    ),
+    "no-scheduler": (
+        {"scheduler": None},
+        "the saved step has a scheduler, this one has none; build the Step as the one that "
+        "was saved.",
+    ),
+    "scheduler-kind": (
+        {"scheduler": "step"},
+        "the checkpoint's scheduler is LambdaLR, this one StepLR; build the scheduler as "
+        "LambdaLR(...), as in the run that was saved.",
+    ),
+    "reduction": (
+        {"reduction": "sum"},
+        "the checkpoint's Step has reduction='mean', this one reduction='sum'; the window's "
+        "running sums hold for the reduction they were taken with: build the Step with "
+        "reduction='mean'.",
+    ),
+    "frozen": (
+        {"freeze": True},
+        "the checkpoint's step trained 6 parameter(s), this one 5: ['0.bias'] (1) not trained "
+        "here (requires_grad=False); set requires_grad as in the run that was saved, before "
+        "building the Step.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STEPS)
+def test_a_step_that_does_not_fit_is_refused_unchanged(checkpoint, case) -> None:
+    options, message = STEPS[case]
+    refused(checkpoint, ValueError, f"{LOAD}: {message}", **options)
+
+
+def edited(checkpoint: Path, tmp_path: Path, edit) -> Path:
+    path = tmp_path / "edited"
+    shutil.copytree(checkpoint, path)
+    file = path / "rank0.pt"
+    if callable(edit):
+        edit(file)
+    else:
+        saved = torch.load(file, weights_only=True)
+        torch.save({**saved, **edit}, file)
+    return path
+
+
+def _damage_window(file: Path) -> None:
+    saved = torch.load(file, weights_only=True)
+    saved["step"]["accumulator"]["weight"] = -1.0
+    torch.save(saved, file)
+
+
+def _drop_data(file: Path) -> None:
+    saved = torch.load(file, weights_only=True)
+    del saved["data"]
+    torch.save(saved, file)
+
+
+FILES = {
+    "missing": (
+        lambda file: file.unlink(),
+        FileNotFoundError,
+        "{file} does not exist; pass the directory gradaccum.loop.save() wrote (on as many "
+        "ranks as saved it).",
+    ),
+    "truncated": (
+        lambda file: file.write_bytes(file.read_bytes()[:2000]),
+        gradaccum.GradAccumError,
+        "{file} cannot be read by torch.load (RuntimeError): it was cut short (a copy or a "
+        "save that did not finish) or is not a checkpoint; resume from a complete checkpoint.",
+    ),
+    "newer": (
+        {"format": "gradaccum.loop.checkpoint/3"},
+        gradaccum.GradAccumError,
+        "{file} was written by a newer gradaccum (format 'gradaccum.loop.checkpoint/3'); this "
+        "version reads 'gradaccum.loop.checkpoint/2': upgrade gradaccum to resume it.",
+    ),
+    "foreign": (
+        lambda file: torch.save({"model": 1}, file),
+        gradaccum.GradAccumError,
+        "{file} is not a gradaccum.loop checkpoint (gradaccum.loop.checkpoint/2).",
+    ),
+    "world": (
+        {"world": 2},
+        gradaccum.GradAccumError,
+        "rank0.pt was saved by rank 0 of 2 process(es), but this is rank 0 of 1; each rank's "
+        "window and data position are its own: resume on 2.",
+    ),
+    "no-identity": (
+        {"save": None},
+        gradaccum.GradAccumError,
+        "{file} is damaged (it lacks ['save']); resume from a complete checkpoint.",
+    ),
+    "damaged-window": (
+        _damage_window,
+        gradaccum.GradAccumError,
+        "the checkpoint's window in progress does not load: Accumulator.load_state_dict(state, "
+        "state_dict): weight is -1.0, expected a finite number >= 2 after 2 micro-batch(es) "
+        "under reduction='mean'; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True)).",
+    ),
+    "no-data": (
+        _drop_data,
+        ValueError,
+        "a data position is to be loaded but the checkpoint holds none; load only what was "
+        "saved (save(path, step) saves the step's data too).",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FILES)
+def test_a_bad_file_is_refused_unchanged(checkpoint, tmp_path, case) -> None:
+    edit, error, message = FILES[case]
+    path = edited(checkpoint, tmp_path, edit)
+    refused(path, error, f"{LOAD}: " + message.format(file=path / "rank0.pt"))
+
+
+def test_a_checkpoint_of_the_older_format_names_its_version(tmp_path) -> None:
+    # What gradaccum.loop.checkpoint/1 wrote without a sync: one file, a tag, no identity.
+    model = make_model()
+    opt, sched = make_optim(model)
+    step = {
+        "format": "gradaccum.loop.Step/1",
+        "params": dict(model.named_parameters()),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "accumulator": {"format": "gradaccum.AccumState/1"},
+    }
+    old = {"format": "gradaccum.loop.checkpoint/1", "rank": 0, "world": 1, "tag": [2, 2]}
+    torch.save({**old, "shared": False, "step": step, "buffers": {}}, tmp_path / "rank0.pt")
+    refused(
+        tmp_path,
+        gradaccum.GradAccumError,
+        f"{LOAD}: {tmp_path / 'rank0.pt'} was written by an older gradaccum (format "
+        "'gradaccum.loop.checkpoint/1', before checkpoints carried a save identity); this "
+        "version reads 'gradaccum.loop.checkpoint/2'. Resume it with the gradaccum version "
+        "that wrote it, or start a new run from its weights: they are under ['step']['params'] "
+        "of shared.pt (of rank0.pt when saved without a sync).",
+    )
+    fresh = Step(model, mse, optimizer=opt)
+    with raises(
+        ValueError,
+        (
+            "Step.load_state_dict(state_dict): the state has format 'gradaccum.loop.Step/1', but "
+            "this gradaccum reads 'gradaccum.loop.Step/2'; load it with the gradaccum version that "
+            "saved it."
+        ),
+    ):
+        fresh.load_state_dict({**step, "model": model.state_dict()})
+
+
+def test_files_of_two_saves_never_mix(tmp_path, world_of_one) -> None:
+    """Two runs saved at the same point (the same window and micro-step) in one process, and
+    two saves of one run: a shared.pt of one with a rank0.pt of the other is refused."""
+    sync = gradaccum.all_reduce()
+    for name, seed in (("a", 0), ("c", 1)):  # a and b: the same run, saved twice
+        torch.manual_seed(seed)
+        step, data = build(seed=seed, sync=sync)
+        advance(step, data, (2, 2))
+        save(tmp_path / name, step, data=data)
+        if name == "a":
+            save(tmp_path / "b", step, data=data)
+    for other in ("b", "c"):
+        mixed = tmp_path / f"a+{other}"
+        shutil.copytree(tmp_path / "a", mixed)
+        shutil.copy(tmp_path / other / "rank0.pt", mixed / "rank0.pt")
+        refused(
+            mixed,
+            gradaccum.GradAccumError,
+            f"{LOAD}: shared.pt and rank0.pt are from different saves (a save was cut short, "
+            f"or two runs saved into {mixed}); resume from a checkpoint that every rank saved "
+            f"at once.",
+            sync=sync,
+        )
+    a = torch.load(tmp_path / "a" / "rank0.pt", weights_only=True)["save"]
+    b = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)["save"]
+    c = torch.load(tmp_path / "c" / "rank0.pt", weights_only=True)["save"]
+    # One process group: one token (test_two_runs_never_mix: two runs, two tokens); the
+    # saves are counted.
+    assert a[0] == b[0] == c[0]
+    assert [b[1] - a[1], c[1] - a[1]] == [1, 2]
+
+
+def test_a_step_state_dict_is_all_or_nothing() -> None:
+    torch.manual_seed(0)
+    step, data = build()
+    advance(step, data, (1, 2))
+    saved = copy.deepcopy(step.state_dict())
+    other, _ = build(seed=1, opt="sgd")
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=re.escape("the checkpoint's optimizer is AdamW")):
+        other.load_state_dict(saved)
+    assert equal(other.state_dict(), before)
+    again, _ = build(seed=2)
+    again.load_state_dict(saved)
+    assert equal(again.state_dict(), saved)
+
+
+# -- save's arguments ---------------------------------------------------------------------------
+
+
+def test_a_path_that_names_no_directory_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    step, data = build()
+    advance(step, data, (0, 1))
+    (tmp_path / "a-file").write_text("kept")
+    for call, name in ((save, SAVE), (load, LOAD)):
+        with raises(
+            ValueError,
+            (
+                f"{name}: path is '', which names no directory; pass the checkpoint's directory, "
+                f"e.g. 'checkpoints/run1' ('.' for the current one)."
+            ),
+        ):
+            call("", step, data=data)
+        with raises(
+            TypeError,
+            (
+                f"{name}: path must be a directory's path (a str or os.PathLike), got NoneType "
+                f"None; pass e.g. 'checkpoints/run1'."
+            ),
+        ):
+            call(None, step, data=data)
+        with raises(
+            ValueError,
+            (
+                f"{name}: path {str(tmp_path / 'a-file')!r} is a file, but a checkpoint is a "
+                f"directory (of rank{{r}}.pt and shared.pt); pass a directory's path."
+            ),
+        ):
+            call(tmp_path / "a-file", step, data=data)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["a-file"]
+    assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_save_counts_itself_and_checks_its_arguments(tmp_path, monkeypatch) -> None:
+    step, data = build()
+    advance(step, data, (0, 1))
+    assert getattr(step, "_saves", 0) == 0
+    save(tmp_path / "a", step, data=data)
+    save(tmp_path / "b", step=step, data=data)  # step= as a keyword still works
+    assert step._saves == 2  # carried into the boundary (a save some ranks missed fails it)
+    with raises(
+        ValueError,
+        f"{SAVE}: step and data are both None; pass a step, data= or both.",
+    ):
+        save(tmp_path)
+    with raises(
+        TypeError,
+        f"{SAVE}: step must be a gradaccum.loop.Step, got Sequential.",
+    ):
+        save(tmp_path, step.model)
+    # data defaults to the step's (Step(..., data=)); another is refused.
+    monkeypatch.setattr(step, "data", data, raising=False)
+    save(tmp_path / "c", step)
+    assert "data" in torch.load(tmp_path / "c" / "rank0.pt", weights_only=True)
+    with raises(
+        ValueError,
+        (
+            f"{SAVE}: data= is not the step's data (the windows given to Step(..., data=)); leave "
+            f"data= out to use the step's."
+        ),
+    ):
+        save(tmp_path / "d", step, data=windows(loader(), 4))
+    assert not (tmp_path / "d").exists()
+    # A micro-batch taken but not added.
+    fresh = Step(make_model(), mse, optimizer=make_optim(make_model())[0])
+    fed = windows(loader(), 4)
+    next(iter(next(iter(fed))))
+    with raises(
+        ValueError,
+        (
+            f"{SAVE}: the step is at window 0 with 0 micro-batch(es) added, but the data at window "
+            f"0 with 1 taken; save between step.add(batch) calls, or after step.apply(), with the "
+            f"step fed by this data (step.add each micro-batch taken)."
+        ),
+    ):
+        save(tmp_path / "e", fresh, data=fed)
+
+
+# -- the data: Windows checks its own identity (length, batch size, sampler, n) at load ----------
+
+LEAD = "Windows.load_state_dict refuses a changed dataset or n at load (the lead's branch)"
+
+
+@pytest.mark.xfail(strict=True, reason=LEAD)
+@pytest.mark.parametrize("change", [{"n": 2}, {"n": 5}])
+def test_a_changed_n_is_refused_at_load_unchanged(checkpoint, change) -> None:
+    torch.manual_seed(7)
+    step, data = build(seed=1, **change)
+    before = state_of(step, data)
+    with pytest.raises((ValueError, gradaccum.GradAccumError)):
+        load(checkpoint, step, data=data)
+    assert equal(state_of(step, data), before)
+
+
+@pytest.mark.xfail(strict=True, reason=LEAD)
+def test_a_changed_dataset_is_refused_at_load_unchanged(checkpoint) -> None:
+    torch.manual_seed(7)
+    step, _ = build(seed=1)
+    x, y = xy(41, 5)
+    data = windows(DataLoader(TensorDataset(x, y), batch_size=3, shuffle=True), 4, epochs=2)
+    before = state_of(step, data)
+    with pytest.raises((ValueError, gradaccum.GradAccumError)):
+        load(checkpoint, step, data=data)
+    assert equal(state_of(step, data), before)
