@@ -272,7 +272,7 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
         _write(folder / "shared.pt", {**shared, "save": [run, count]}, run)
     _write(folder / f"rank{rank}.pt", own, run)
     if step is not None:  # carried into the boundary: a save some ranks missed fails it
-        step._saves = getattr(step, "_saves", 0) + 1
+        setattr(step, "_saves", getattr(step, "_saves", 0) + 1)  # noqa: B010 - api.md's Step._saves
 
 
 def _write(file: Path, obj: Any, run: int) -> None:
@@ -323,7 +323,7 @@ def _read(where: str, file: Path, keys: tuple[str, ...]) -> dict[str, Any]:
             f"{where}: {file} is damaged (it lacks {missing or ['save']}); resume from a "
             f"complete checkpoint."
         )
-    return got
+    return dict(got)
 
 
 def _agreement(where: str, step: Step | None, data: Any) -> Agreement | None:

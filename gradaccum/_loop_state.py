@@ -205,7 +205,7 @@ def _check_fields(where: str, sd: Any) -> dict[str, Any]:
             f"{where}: the saved step has a scheduler but its scheduler_kind is "
             f"{describe(sd['scheduler_kind'])}; pass what Step.state_dict() returned."
         )
-    return sd
+    return dict(sd)
 
 
 def prepare(where: str, step: Any, state_dict: dict[str, Any]) -> Callable[[], None]:
