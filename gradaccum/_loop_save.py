@@ -465,26 +465,31 @@ def load(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
     if agreement is not None:
         rank, world = _rank_world()
         failed = error is not None
-        got = agreement.max(
-            [int(failed), world - rank if failed else 0, ident[0], -ident[0], ident[1], -ident[1]],
-            "checkpoint verdict",
-        )
+        try:
+            got = agreement.max(
+                [int(failed), world - rank if failed else 0, *ident, -ident[0], -ident[1]],
+                "checkpoint verdict",
+            )
+        except BaseException:  # the agreement failed (a rank died, a timeout): nothing loads
+            if undo is not None:
+                undo()
+            raise
         refusal = None
         if got[0] and not failed:
             refusal = (
                 f"{where}: rank {world - got[1]} refused the checkpoint in {folder} (its error "
                 f"says why), so no rank loads it; nothing was changed on this rank."
             )
-        elif not failed and got[2] != -got[3]:
+        elif not failed and got[2] != -got[4]:
             refusal = (
                 f"{where}: the ranks' files in {folder} are from different runs (two runs "
                 f"saved into it, and a save was cut short); nothing was loaded on any rank: "
                 f"resume from a checkpoint that every rank of one run saved."
             )
-        elif not failed and got[4] != -got[5]:
+        elif not failed and got[3] != -got[5]:
             refusal = (
                 f"{where}: the ranks' files in {folder} are from different saves of one run "
-                f"(saves {-got[5]} and {got[4]}): a save was cut short, or not every rank "
+                f"(saves {-got[5]} and {got[3]}): a save was cut short, or not every rank "
                 f"saved; nothing was loaded on any rank: resume from a checkpoint that every "
                 f"rank saved at once."
             )
