@@ -15,9 +15,10 @@ run, the same on every rank without a collective, and ``count`` the number of sa
 made in that run, which is the same on every rank because every rank saves at the same points
 (a save reached by only some ranks fails the next boundary). Under ``torch.distributed`` the
 token is first-writer-wins in the process group's store (``compare_set`` on the default store,
-the key taken by the first rank that saves: no rank waits for another, and a new process group,
-restart included, has a new store); in one process it is a random number drawn once (from the
-OS, no random state is used). Files of two runs, or of two saves of one run, never share it.
+the key taken by the first rank that saves, with torchrun's restart count in it: no rank waits
+for another, and a new process group has a new store); in one process it is a random number
+drawn once (from the OS, no random state is used). Files of two runs, or of two saves of one
+run, never share it.
 
 ``load`` is all or nothing, on every rank. Under a sync it agrees twice through
 [`Comm`][gradaccum.sync.Comm] (one tiny all-reduce each, bounded by the sync's timeout): once
