@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _reduce, _tree
+from . import _loop_state, _reduce, _tree
 from ._boundary import clip_by_global_norm
 from ._comm import positive
 from ._errors import describe
@@ -19,7 +19,7 @@ from ._window import check_sync
 
 __all__ = ["FORMAT", "Step", "StepStats"]
 
-FORMAT = "gradaccum.loop.Step/1"
+FORMAT = "gradaccum.loop.Step/2"
 OPEN = 2**31 - 1  # the windows end where the data says (Step.apply), not at a fixed n
 METRICS = ("loss", "micro_batches")  # summed in the boundary collective, with the weight
 
@@ -306,41 +306,47 @@ class Step:
     def state_dict(self) -> dict[str, Any]:
         """The model, optimizer, scheduler and the window in progress (its running sums).
 
-        Safe for ``torch.load(..., weights_only=True)``; tensors are copies or the module's own
-        (``model.state_dict()``), as ``torch.save`` expects.
+        Besides their state dicts it records what a resume must match: the optimizer's and the
+        scheduler's classes, the model's parameter names in each optimizer group, and the
+        reduction. Safe for ``torch.load(..., weights_only=True)``; tensors are copies or the
+        module's own (``model.state_dict()``), as ``torch.save`` expects.
         """
         return {
             "format": FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_kind": _loop_state.kind(self.optimizer),
+            "optimizer_params": _loop_state.optimizer_params(self.model, self.optimizer),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scheduler_kind": None if self.scheduler is None else _loop_state.kind(self.scheduler),
+            "reduction": self.reduction,
             "accumulator": self.acc.state_dict(self.state),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what [`state_dict()`][gradaccum.loop.Step.state_dict] saved (bit-identical).
 
+        All or nothing: everything is checked against this step (and the window in progress
+        rebuilt) before the model, optimizer, scheduler or window change; a refused state
+        changes none of them.
+
         Raises:
-            GradAccumError: The saved state is not a ``Step``'s, or its window does not fit
-                this model (the accumulator's message names the difference).
+            ValueError: The state is not a ``Step.state_dict()`` of this version, or its model
+                (names, shapes, dtypes), optimizer (class, parameter groups), scheduler or
+                reduction is not this step's; the message names the difference.
+            GradAccumError: The state is damaged, or its window in progress does not load.
         """
         sd = state_dict
         where = "Step.load_state_dict(state_dict)"
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+            got = sd.get("format") if isinstance(sd, dict) else None
+            if isinstance(got, str) and got.startswith("gradaccum.loop.Step/"):
+                raise ValueError(
+                    f"{where}: the state has format {got!r}, but this gradaccum reads "
+                    f"{FORMAT!r}; load it with the gradaccum version that saved it."
+                )
             raise ValueError(
                 f"{where}: expected a dict with format {FORMAT!r}, got {describe(sd)}; pass "
                 f"what Step.state_dict() returned."
             )
-        if (sd["scheduler"] is None) != (self.scheduler is None):
-            raise ValueError(
-                f"{where}: the saved step {'has no' if sd['scheduler'] is None else 'has a'} "
-                f"scheduler, this one {'has' if self.scheduler is not None else 'has none'}; "
-                f"build the Step as the one that was saved."
-            )
-        self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(sd["scheduler"])
-        params = {k: p.detach() for k, p in zip(self._names, self._params)}
-        fresh = self.acc.init(params, metrics=METRICS)
-        self.state = self.acc.load_state_dict(fresh, sd["accumulator"])
+        _loop_state.prepare(where, self, sd)()

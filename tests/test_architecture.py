@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_loop_plan",
             "_loop_data",
             "_loop_windows",
+            "_loop_state",
             "_loop_step",
             "_loop_save",
             "_loop_progress",

@@ -1,4 +1,5 @@
-"""gradaccum.loop.Step, save/load and progress: equivalence, one scheduler step a window, resume."""
+"""gradaccum.loop.Step and progress: equivalence, one scheduler step a window (checkpoints:
+test_loop_save.py)."""
 
 from __future__ import annotations
 
@@ -239,118 +240,9 @@ def test_a_sync_without_totals_is_refused_clearly(world_of_one) -> None:
         step.apply()
 
 
-# -- checkpoints --------------------------------------------------------------------------------
-
-
 def loader() -> DataLoader:
     x, y = data(37, seed=5)
     return DataLoader(TensorDataset(x, y), batch_size=3, shuffle=True)  # 13 micro-batches
-
-
-def train(tmp_path, cut=None, resume=False, sync=None) -> nn.Module | None:
-    """Two epochs of windows of 4 (the last window of each epoch short) with dropout: the model's
-    random state, the shuffling, and the window's running sums all matter for resuming.
-
-    ``cut`` is ``(kind, window, micro-batches added)``: save there and stop.
-    """
-    model = make_model(dropout=0.2)
-    opt, sched = make_optim(model)
-    step = Step(model, mse, optimizer=opt, scheduler=sched, clip=1.0, sync=sync)
-    windowed = windows(loader(), 4, epochs=2, sync=sync)
-    if resume:
-        torch.manual_seed(999)  # a new process: everything random differs until load
-        load(tmp_path, step=step, data=windowed)
-    for window in windowed:
-        for batch in window:
-            step.add(batch)
-            if cut == ("add", window.index, step.micro_step):
-                save(tmp_path, step=step, data=windowed)
-                return None
-        if cut == ("before apply", window.index, step.micro_step):
-            save(tmp_path, step=step, data=windowed)
-            return None
-        step.apply()
-        if cut == ("after apply", window.index + 1, 0):
-            save(tmp_path, step=step, data=windowed)
-            return None
-    assert sched.last_epoch == 8  # ceil(13 / 4) = 4 windows an epoch
-    return model
-
-
-CUTS = [
-    ("add", 0, 1),
-    ("add", 2, 3),
-    ("add", 3, 1),  # the short last window of epoch 0
-    ("add", 3, 1),
-    ("before apply", 1, 4),
-    ("before apply", 3, 1),
-    ("after apply", 2, 0),
-    ("after apply", 4, 0),  # between epochs
-    ("add", 6, 2),
-]
-
-
-@pytest.mark.parametrize("cut", CUTS, ids=[f"{k}-{w}-{m}".replace(" ", "_") for k, w, m in CUTS])
-def test_resume_is_bit_identical(tmp_path, cut) -> None:
-    torch.manual_seed(0)
-    whole = train(tmp_path)
-    torch.manual_seed(0)
-    assert train(tmp_path, cut=cut) is None
-    resumed = train(tmp_path, resume=True)
-    for p, q in zip(whole.parameters(), resumed.parameters()):
-        assert torch.equal(p, q)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0.pt"]
-
-
-def test_resume_under_a_sync_writes_the_params_once(tmp_path, world_of_one) -> None:
-    torch.manual_seed(0)
-    whole = train(tmp_path, sync=gradaccum.all_reduce())
-    torch.manual_seed(0)
-    train(tmp_path, cut=("add", 5, 2), sync=gradaccum.all_reduce())
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0.pt", "shared.pt"]
-    resumed = train(tmp_path, resume=True, sync=gradaccum.all_reduce())
-    assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), resumed.parameters()))
-    # A save cut short: rank0.pt from another save than shared.pt.
-    torch.manual_seed(0)
-    train(tmp_path / "other", cut=("add", 2, 1), sync=gradaccum.all_reduce())
-    (tmp_path / "other" / "rank0.pt").replace(tmp_path / "rank0.pt")
-    model = make_model()
-    step = Step(model, mse, optimizer=make_optim(model)[0], sync=gradaccum.all_reduce())
-    step.scheduler = None
-    with pytest.raises(gradaccum.GradAccumError, match=r"shared.pt is from another save"):
-        load(tmp_path, step=step, data=windows(loader(), 4, epochs=2))
-    # Under a sync, save returns once every rank's files are written: one 8-byte all-reduce.
-    with gradaccum.sync.record_collectives() as log:
-        save(tmp_path / "third", step=step)
-    assert [(c.kind, c.purpose, c.nbytes) for c in log] == [("all_reduce", "checkpoint", 8)]
-
-
-def test_save_refuses_a_micro_batch_taken_but_not_added(tmp_path) -> None:
-    model = make_model()
-    step = Step(model, mse, optimizer=torch.optim.SGD(model.parameters()))
-    windowed = windows(loader(), 4)
-    window = next(iter(windowed))
-    next(iter(window))
-    with pytest.raises(ValueError, match=r"the step is at window 0 with 0 micro-batch\(es\) added"):
-        save(tmp_path, step=step, data=windowed)
-
-
-def test_load_refuses_what_does_not_fit(tmp_path) -> None:
-    model = make_model()
-    step = Step(model, mse, optimizer=torch.optim.SGD(model.parameters()))
-    with pytest.raises(FileNotFoundError, match=r"rank0.pt does not exist"):
-        load(tmp_path, step=step)
-    save(tmp_path, step=step)
-    with pytest.raises(ValueError, match=r"data= is given but the checkpoint does not hold one"):
-        load(tmp_path, step=step, data=windows(range(3), 2))
-    with pytest.raises(ValueError, match=r"step and data are both None"):
-        save(tmp_path)
-    with pytest.raises(TypeError, match=r"step must be a gradaccum.loop.Step"):
-        save(tmp_path, step=model)
-    saved = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    torch.save({**saved, "world": 2}, tmp_path / "rank0.pt")
-    with pytest.raises(gradaccum.GradAccumError, match=r"saved by 2 process\(es\), but this run"):
-        load(tmp_path, step=step)
 
 
 def test_progress_counts_windows_and_shows_the_loss() -> None:
@@ -476,7 +368,7 @@ def test_an_error_on_one_rank_reaches_every_rank() -> None:
     assert "1 other rank(s) of the 2 in the group raised an error during this window" in r0
 
 
-def test_messages_in_full(tmp_path) -> None:
+def test_messages_in_full() -> None:
     model = make_model()
     with pytest.raises(TypeError) as err:
         Step(model, mse, optimizer=torch.optim.SGD(model.parameters()), reduction="count").add(
@@ -486,17 +378,4 @@ def test_messages_in_full(tmp_path) -> None:
         "Step.add(batch): with reduction='count' the loss function must return (summed_loss, "
         "count), got Tensor(shape=(), dtype=float64); return e.g. (loss_sum, (labels != "
         "-100).sum())."
-    )
-    step = Step(model, mse, optimizer=torch.optim.SGD(model.parameters()))
-    windowed = windows([data(2), data(2)], 2)
-    batch = next(iter(next(iter(windowed))))
-    step.add(batch)
-    step.apply()
-    with pytest.raises(ValueError, match=r"the step is at window 1") as err:
-        save(tmp_path, step=step, data=windowed)
-    assert str(err.value) == (
-        "gradaccum.loop.save(path, step=..., data=...): the step is at window 1 with 0 "
-        "micro-batch(es) added, but the data at window 0 with 1 taken; save between "
-        "step.add(batch) calls, or after step.apply(), with the step fed by this data "
-        "(step.add each micro-batch taken)."
     )
