@@ -251,9 +251,8 @@ class Windows(Generic[B]):
         if k == 3:
             mine = self._sizes(self._epoch_window)
             return f"this rank's windows hold {mine} micro-batches, another rank's differ"
-        low, high = -values[k + 1], values[k]
-        name = lambda e: "None" if e < 0 else str(e)  # noqa: E731
-        return f"between {name(low)} and {name(high)} over the ranks"
+        low, high = ("None" if v < 0 else str(v) for v in (-values[k + 1], values[k]))
+        return f"between {low} and {high} over the ranks"
 
     def _any(self, has: bool, failed: bool) -> bool:
         """Whether any rank has micro-batches left (data without len(): once per window).

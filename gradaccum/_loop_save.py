@@ -34,9 +34,7 @@ Without a sync nothing is communicated.
 from __future__ import annotations
 
 import os
-import random
 import secrets
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from . import _loop_state
 from ._errors import GradAccumError, describe
 from ._loop_data import Windows
 from ._loop_plan import Agreement, data_axes
+from ._loop_source import rng_states, set_rng_states
 from ._loop_step import FORMAT as STEP_FORMAT
 from ._loop_step import Step
 
@@ -126,20 +125,8 @@ def _run() -> int:
     return int(store.compare_set(key, "", str(secrets.randbits(62) + 1)))
 
 
-def rng_state() -> dict[str, Any]:
-    """The random states of this process: torch (CPU, CUDA), Python, NumPy if imported."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        out["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
-    return out
-
-
 def check_rng_state(where: str, saved: Any) -> None:
-    """Refuse random states that ``set_rng_state`` could not restore in this process."""
+    """Refuse random states that ``set_rng_states`` could not restore here (damaged, or CUDA)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("torch"), torch.Tensor):
         raise GradAccumError(
             f"{where}: the checkpoint's random states are damaged (got {describe(saved)}); "
@@ -151,20 +138,6 @@ def check_rng_state(where: str, saved: Any) -> None:
             f"{where}: the checkpoint holds the CUDA random states of {len(cuda)} device(s), "
             f"but this process sees {torch.cuda.device_count()}; resume on the same devices."
         )
-
-
-def set_rng_state(saved: dict[str, Any]) -> None:
-    """Restore what ``rng_state`` returned (checked by ``check_rng_state``)."""
-    torch.set_rng_state(saved["torch"])
-    random.setstate(saved["python"])
-    cuda = saved.get("cuda")
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    if saved.get("numpy") is not None:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = saved["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def _data_position(where: str, step: Step, data: Windows[Any]) -> dict[str, Any]:
@@ -264,7 +237,7 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
         else:
             own["step"] = {"accumulator": part.pop("accumulator")}
             shared = {"format": FORMAT, "world": world, "step": part}
-    own["rng"] = rng_state()
+    own["rng"] = rng_states()
     run = _run()
     _counts[run] = count = _counts.get(run, 0) + 1
     own["save"] = [run, count]
@@ -400,7 +373,7 @@ def _prepare(
         except BaseException:
             undo()
             raise
-        set_rng_state(own["rng"])
+        set_rng_states(own["rng"])
 
     return apply, undo, ident
 
