@@ -664,8 +664,8 @@ class Windows(Generic[B]):
 
         Inside it, a resume reads micro-batches again, or goes on with an iterator made anew.
         """
-        if self._pos == 0 and not self._buffer:
-            return False
+        if self._pos == 0 and self._read == 0:
+            return False  # nothing read in the epoch: not even a peeked or prefetched window
         lengths = self._agreed[1] if self._agreed is not None else None
         if not self._closed or lengths is None:
             return True
