@@ -426,9 +426,9 @@ class Step:
             t = self._masks[key] = host.to(self._device, non_blocking=True)
         return t
 
-    def _with_saves(self, state: Any) -> Any:
+    def _with_saves(self, state: Any, saves: int) -> Any:
         """``state`` with this rank's ``[1, saves, saves**2]`` in its sums, for the boundary."""
-        c = float(self._saves)
+        c = float(saves)
         sums = dict(state.metrics or {})
         sums["saves"] = self._on_device(("saves", c), (1.0, c, c * c))
         return state._replace(metrics=dict(sorted(sums.items())))
@@ -470,7 +470,8 @@ class Step:
                 self.state = self.acc.add(self.state, tree, size=weight, metrics=metrics)
         except BaseException:
             if self.sync is not None:
-                self.state = self.acc.abort(self._with_saves(self.state))
+                self.state = self.acc.abort(self._with_saves(self.state, self._saves))
+                self._saves = 0
             raise
 
     def _failed_data(self, err: BaseException) -> None:
@@ -480,7 +481,8 @@ class Step:
         raise in ``apply()``); ``data`` re-raises ``err`` after.
         """
         if self.sync is not None:
-            self.state = self.acc.abort(self._with_saves(self.state))
+            self.state = self.acc.abort(self._with_saves(self.state, self._saves))
+            self._saves = 0
 
     def apply(self) -> StepStats:
         """Close the window: boundary, clip, ``.grad``, one optimizer and scheduler step.
@@ -504,7 +506,9 @@ class Step:
         saves, names, params = self._saves, self._names, self._params
         self._saves = 0
         try:
-            grads, self.state, totals = self.acc.boundary(self._with_saves(self.state))
+            # Accumulator.boundary, its errors named after this call (not Accumulator(n=...)).
+            closed = self.acc._close(where, self._with_saves(self.state, saves), "apply()", True)
+            grads, self.state, totals = closed
         except TypeError as err:
             if "did not report the window's totals" not in str(err):
                 raise
