@@ -27,9 +27,9 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from . import _metrics, _reduce, _tree
+from ._accum_state import AccumState
 from ._boundary import clip_by_global_norm
 from ._comm import positive
-from ._accum_state import AccumState
 from ._errors import GradAccumError, describe
 from ._loop_data import Windows
 from ._state import Accumulator
@@ -79,17 +79,20 @@ class StepStats(NamedTuple):
         return self.items / self.seconds if self.seconds > 0 else math.inf
 
 
-def _rows(where: str, batch: Any) -> int:
+def _rows(where: str, batch: Any, reduction: str) -> int:
     """A micro-batch's rows: the size of dim 0 shared by every tensor leaf with a dim."""
     leaves = [x for x in _tree.flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+    rule = f"under reduction={reduction!r} a micro-batch " + (
+        "weighs its rows" if reduction == "mean" else "counts its rows (StepStats.items)"
+    )
     fix = (
-        "return (loss, rows) from the loss function, rows the number of examples its mean "
-        "covers (e.g. (loss, len(batch['input_ids'])))"
+        f"return (loss, rows) from the loss function, rows the number of examples its "
+        f"{reduction} covers (e.g. (loss, len(batch['input_ids'])))"
     )
     if not leaves:
         raise ValueError(
-            f"{where}: under reduction='mean' a micro-batch weighs its rows, the size of dim 0 "
-            f"of its tensors, but this one has no tensor with a dim; {fix}."
+            f"{where}: {rule}, the size of dim 0 of its tensors, but this one has no tensor "
+            f"with a dim; {fix}."
         )
     rows = leaves[0].shape[0]
     if all(x.shape[0] == rows for x in leaves):
@@ -102,9 +105,9 @@ def _rows(where: str, batch: Any) -> int:
     ]
     (pa, ra), (pb, rb) = sized[0], next(kr for kr in sized if kr[1] != rows)
     raise ValueError(
-        f"{where}: under reduction='mean' a micro-batch weighs its rows, the size of dim 0 "
-        f"shared by its tensors, but they disagree: batch{pa} has {ra} along dim 0 and "
-        f"batch{pb} has {rb}, so the rows are not known; {fix}."
+        f"{where}: {rule}, the size of dim 0 shared by its tensors, but they disagree: "
+        f"batch{pa} has {ra} along dim 0 and batch{pb} has {rb}, so the rows are not known; "
+        f"{fix}."
     )
 
 
@@ -151,6 +154,8 @@ class Step:
     - **Parameters frozen or unfrozen** (``requires_grad``) between windows: each window trains
       the parameters trainable when it starts. Changing ``requires_grad`` in the middle of a
       window is refused at the next ``add``. Ranks that disagree raise at the boundary.
+      (Parameters added to the model after the ``Step`` was built are not seen: build a new
+      one.)
 
     Args:
         model: The module to train, not wrapped in ``DistributedDataParallel`` (the sync does
@@ -289,11 +294,13 @@ class Step:
         self._since: float | None = None
         self._names: list[str] = []
         self._params: list[torch.nn.Parameter] = []
-        self._every: list[torch.nn.Parameter] = []  # every parameter, for the mid-window check
-        self._flags: list[bool] = []  # their requires_grad when the window started
+        # Every parameter of the model (as built) and its requires_grad when the window started:
+        # read at each add, without walking the modules.
+        self._every = list(model.named_parameters())
+        self._flags = [p.requires_grad for _, p in self._every]
         self._zeros: list[torch.Tensor | None] = []
         self._masks: dict[Any, torch.Tensor] = {}
-        self._train(where, self._trainable(), fresh=True)
+        self._train(where, fresh=True)
         hooks = getattr(data, "_on_error", None)
         if isinstance(hooks, list):  # one step per data: a step built before is let go
             hooks[:] = [h for h in hooks if not isinstance(getattr(h, "__self__", None), Step)]
@@ -301,15 +308,13 @@ class Step:
 
     # -- the trainable parameters ----------------------------------------------------------------
 
-    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(k, p) for k, p in self.model.named_parameters() if p.requires_grad]
-
     def _metric_shapes(self) -> dict[str, tuple[int, ...]]:
         """The window's metrics: see the module notes."""
         return {"loss": (), "micro_batches": (), "saves": (3,), "used": (len(self._names),)}
 
-    def _train(self, where: str, named: list[tuple[str, torch.nn.Parameter]], fresh: bool) -> None:
-        """Make ``named`` the trainable parameters of the window that starts."""
+    def _train(self, where: str, fresh: bool) -> None:
+        """Make the parameters with ``requires_grad`` now those of the window that starts."""
+        named = [(k, p) for (k, p), on in zip(self._every, self._flags) if on]
         if not named:
             raise ValueError(
                 f"{where}: the model has no trainable parameters (none with requires_grad); "
@@ -331,31 +336,28 @@ class Step:
         state = self.acc.init({k: p.detach() for k, p in named}, metrics=self._metric_shapes())
         self.state = state if old is None else state._replace(window=old.window, epoch=old.epoch)
         self._device = _metrics.device_of(self.state.layout)
-        self._every = list(self.model.parameters())
-        self._flags = [p.requires_grad for p in self._every]
 
-    def _start(self, where: str) -> None:
-        """A window starts: follow the parameters frozen or unfrozen since the last one."""
-        named = self._trainable()
-        if len(named) != len(self._params) or any(
-            p is not q or k != name for (k, p), name, q in zip(named, self._names, self._params)
-        ):
-            self._train(where, named, fresh=False)
-        else:  # the same trainable parameters; refresh the list the mid-window check reads
-            self._every = list(self.model.parameters())
-            self._flags = [p.requires_grad for p in self._every]
+    def _follow(self, where: str) -> None:
+        """Before a micro-batch (or an empty window's boundary): follow ``requires_grad``.
 
-    def _check_unchanged(self, where: str) -> None:
-        """Refuse a ``requires_grad`` changed in the middle of the window, naming it."""
-        if [p.requires_grad for p in self._every] == self._flags:
+        At a window's start the window trains the parameters trainable now; in the middle of
+        one, a change is refused, naming the parameter.
+        """
+        flags = [p.requires_grad for _, p in self._every]
+        if flags == self._flags:
             return
-        names = {id(p): k for k, p in self.model.named_parameters()}
-        changed = [
-            (names.get(id(p), "?"), p.requires_grad)
-            for p, was in zip(self._every, self._flags)
-            if p.requires_grad != was
-        ]
-        k, now = changed[0]
+        if self.state.micro_step == 0:
+            before = self._flags
+            self._flags = flags
+            try:
+                self._train(where, fresh=False)
+            except BaseException:
+                self._flags = before
+                raise
+            return
+        k, now = next(
+            (k, now) for (k, _), now, was in zip(self._every, flags, self._flags) if now != was
+        )
         raise ValueError(
             f"{where}: the parameter {k!r} was {'unfrozen' if now else 'frozen'} "
             f"(requires_grad={now}) in the middle of window {self.window}, after "
@@ -389,7 +391,7 @@ class Step:
         elif isinstance(out, (tuple, list)) and len(out) == 2:
             value, weight = out
         else:
-            value, weight = out, _rows(where, batch)
+            value, weight = out, _rows(where, batch, self.reduction)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise TypeError(
                 f"{where}: the loss must be a 0-dim tensor, got {describe(value)}; reduce it "
@@ -451,10 +453,7 @@ class Step:
         if self._since is None:
             self._since = time.perf_counter()
         try:
-            if self.state.micro_step == 0:
-                self._start(where)
-            else:
-                self._check_unchanged(where)
+            self._follow(where)
             value, weight = self._split(where, self.loss(self.model, batch), batch)
             grads = torch.autograd.grad(value, self._params, allow_unused=True)
             used = tuple(g is not None for g in grads)
@@ -463,7 +462,14 @@ class Step:
                 for i, (k, g) in enumerate(zip(self._names, grads))
             }
             summed = value.detach() * weight if self.reduction == "mean" else value.detach()
-            metrics = {"loss": summed, "micro_batches": 1, "used": self._on_device(used, used)}
+            metrics = {
+                "loss": summed,
+                "micro_batches": 1,
+                # zeros: apply() puts this rank's count there (the same width: the buckets of the
+                # window's sums hold the tail the boundary sends)
+                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
+                "used": self._on_device(used, used),
+            }
             if self.reduction == "count":
                 self.state = self.acc.add(self.state, tree, count=weight, metrics=metrics)
             else:
@@ -501,8 +507,8 @@ class Step:
                 timed out (see ``Accumulator.finalize``).
         """
         where = "Step.apply()"
-        if self.state.micro_step == 0:  # an empty window trains what the others' do
-            self._start(where)
+        if self.state.micro_step == 0:  # an empty window trains what the other ranks' do
+            self._follow(where)
         saves, names, params = self._saves, self._names, self._params
         self._saves = 0
         try:

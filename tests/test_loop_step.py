@@ -773,6 +773,16 @@ def test_a_batch_whose_tensors_disagree_on_dim_0_is_refused_until_rows_are_given
     ):
         step.add(batches[0])
     assert step.micro_step == 0  # nothing was added
+    summed = Step(model, weighted, torch.optim.SGD(model.parameters()), reduction="sum")
+    with raises(
+        ValueError,
+        "Step.add(batch): under reduction='sum' a micro-batch counts its rows (StepStats.items), "
+        "the size of dim 0 shared by its tensors, but they disagree: batch['class_weight'] has "
+        "3 along dim 0 and batch['cls'] has 4, so the rows are not known; return (loss, rows) "
+        "from the loss function, rows the number of examples its sum covers (e.g. (loss, "
+        "len(batch['input_ids']))).",
+    ):
+        summed.add(batches[0])
     # Stated: exact.
     model, ref = make_model(), make_model()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
