@@ -37,7 +37,8 @@ class AccumState(NamedTuple, Generic[T]):
         ticket: Internal: marks which state of a window is the current one, so that a consumed
             state is refused (see [`Accumulator`][gradaccum.Accumulator]); ``None`` without sums.
         metrics: The window's running metric sums (``add(..., metrics=...)``): a dict, sorted by
-            name, of 0-dim float64 tensors on the gradients' device; ``None`` without metrics.
+            name, of 0-dim (or 1-D) float64 tensors on the gradients' device; ``None`` without
+            metrics.
             Before a window's first micro-batch, zeros with the previous window's names (what
             an empty window sends).
         epoch: How many epochs were ended with [`end_epoch()`][gradaccum.Accumulator.end_epoch];

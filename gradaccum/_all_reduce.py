@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import _tree
+from . import _metrics, _tree
 from ._buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
 from ._comm import Check, Probe, bucket_what, check_options, fill_tail, positive
 from ._errors import describe, is_broken, is_mesh
@@ -100,7 +100,7 @@ class BucketWindow(Window):
         self.reorder = sync.overlap and spec.fast and spec.layout not in sync._ordered
         self.seen: list[int] = []
         self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
-        self.extra = len(spec.metrics)  # the tail bucket's metric sums, after [weight, failed]
+        self.extra = _metrics.width(spec)  # the tail's metric sums, after [weight, failed]
         self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
         self.probe: Probe | None = None
         self.own: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # storage()'s

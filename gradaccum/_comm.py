@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from . import _metrics
 from ._buckets import TAIL
 from ._errors import GradAccumError, describe, mark_broken, misaligned
 from ._mesh import Axis, axis
@@ -239,7 +240,7 @@ class Comm:
         if self.window is None:
             return desc
         spec = self.window.spec
-        names = (f"metrics {list(spec.metrics)}",) if spec.metrics else ()
+        names = (_metrics.line(spec),) if spec.metrics else ()
         epoch = f" of epoch {spec.epoch}" if spec.epoch else ""
         return (f"{WINDOW}{spec.index}{epoch}", *names, *desc)
 
@@ -316,7 +317,7 @@ class Comm:
         Bound to a window (``Window.connect``), the window's metric sums travel in the same
         all-reduce, and their totals over the ranks go to ``window.totals``.
         """
-        m = len(self.window.spec.metrics) if self.window is not None else 0
+        m = _metrics.width(self.window.spec) if self.window is not None else 0
         tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
         fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
@@ -364,7 +365,10 @@ def bucket_what(kind: str, buckets: Any, k: int, noun: str = "bucket") -> str:
 
 
 def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) -> None:
-    """Write ``[weight, failed, *metrics]`` into ``tail`` (no host sync); zeros for the rest."""
+    """Write ``[weight, failed, *metrics]`` into ``tail`` (no host sync); zeros for the rest.
+
+    ``metrics``: tensors (0-dim, or 1-D: their elements in turn).
+    """
     if isinstance(weight, torch.Tensor):
         tail[:1].copy_(weight.reshape(1))
     else:
@@ -374,7 +378,8 @@ def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) 
         rest = tail[TAIL:]
         rest.zero_()
         if metrics:
-            rest[: len(metrics)].copy_(torch.stack(list(metrics)))
+            flat = torch.cat([m.reshape(-1) for m in metrics])
+            rest[: len(flat)].copy_(flat)
 
 
 def _window_of(desc: Any) -> str | None:

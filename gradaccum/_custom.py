@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _reduce, _tree
+from . import _metrics, _reduce, _tree
 from ._buckets import make_plan
 from ._comm import check_timeout, settle
 from ._errors import GradAccumError, describe, is_broken
@@ -77,7 +77,8 @@ class CustomReduce(Sync):
 
         Also the description it hashes, without the lines of the index and metrics.
         """
-        key = (spec.layout, spec.reduction, spec.n if spec.agree_n else None, spec.metrics)
+        metrics = (spec.metrics, spec.metric_shapes)
+        key = (spec.layout, spec.reduction, spec.n if spec.agree_n else None, metrics)
         cached = self._hashes.get(key)
         if cached is None:
             desc = (
@@ -86,7 +87,7 @@ class CustomReduce(Sync):
                 *((f"n={spec.n} micro-batches per window",) if spec.agree_n else ()),
                 f"reduction function {self.name}",
             )
-            full = (f"metrics {list(spec.metrics)}", *desc)
+            full = (_metrics.line(spec), *desc)
             digest = hashlib.blake2b("\n".join(full).encode(), digest_size=8).digest()
             cached = self._hashes[key] = (int.from_bytes(digest, "little"), desc)
         h, desc = cached

@@ -8,10 +8,12 @@ of a DTensor with a row per rank of the mesh, so it loads on the same ranks only
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
 
+from . import _metrics
 from ._dcp import dcp_checkpoint
 from ._errors import GradAccumError
 from ._shard import Sharded
@@ -78,7 +80,7 @@ def dcp_save(
         w = sd["weight"]
         metrics = sd.get("metrics") or {}  # the window's metric sums ride with the counters
         counters = [float(w), float(isinstance(w, torch.Tensor)), sd["micro_step"], sd["steps"]]
-        counters += [float(v) for v in metrics.values()]
+        counters += [float(x) for v in metrics.values() for x in v.reshape(-1).tolist()]
         mid = sd["full"] is not None
         bufs = [*(sd["full"] or []), *(sd["out"] or [])]
         out["accumulator"] = {
@@ -88,6 +90,7 @@ def dcp_save(
                     "window": sd["window"],
                     "epoch": sd.get("epoch", 0),
                     "metrics": list(metrics),
+                    "metric_shapes": [list(v.shape) for v in metrics.values()],
                     "world": list(mesh.shape),
                     "mid_window": mid,
                     "buffers": [None if b is None else [str(b.dtype), b.numel()] for b in bufs],
@@ -165,10 +168,12 @@ def dcp_load(
     if accumulator is None:
         return None
     names = meta.get("metrics", [])
-    fresh = accumulator.init(sharded, metrics=names)
+    shapes = [tuple(s) for s in meta.get("metric_shapes", [()] * len(names))]
+    fresh = accumulator.init(sharded, metrics=dict(zip(names, shapes)))
+    width = sum(math.prod(s) for s in shapes)
     if not meta.get("mid_window"):
         return fresh._replace(window=meta["window"], epoch=meta.get("epoch", 0))
-    counters = _per_rank(mesh, torch.zeros(4 + len(names), dtype=torch.float64))
+    counters = _per_rank(mesh, torch.zeros(4 + width, dtype=torch.float64))
     bufs = {
         f"b{i}": _per_rank(mesh, torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch."))))
         for i, spec in enumerate(meta["buffers"])
@@ -194,7 +199,10 @@ def dcp_load(
         "steps": int(steps),
         "full": flat[: meta["full"]],
         "out": flat[meta["full"] :],
-        "metrics": {k: torch.tensor(v, dtype=torch.float64) for k, v in zip(names, sums)}
+        "metrics": {
+            k: torch.tensor(v, dtype=torch.float64)
+            for k, v in _metrics.unpack(tuple(zip(names, shapes)), sums).items()
+        }
         if names
         else None,
     }

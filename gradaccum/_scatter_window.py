@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import _reduce
+from . import _metrics, _reduce
 from ._buckets import TAIL
 from ._comm import bucket_what, fill_tail, settle
 from ._errors import is_broken
@@ -262,7 +262,7 @@ class ScatterWindow(Window):
             self._replicate(k)
         self._launch_bound(ready_only=False)
         dev = self.plan.devices[0] if self.plan.devices else torch.device("cpu")
-        tail = torch.zeros(TAIL + len(self.spec.metrics), dtype=torch.float64, device=dev)
+        tail = torch.zeros(TAIL + _metrics.width(self.spec), dtype=torch.float64, device=dev)
         fill_tail(tail, weight, failed, self.metrics)
         tail_work = self.comm.all_reduce(tail, "the weight all_reduce", "weight")
         while self.bound_works:

@@ -105,7 +105,8 @@ class Accumulator:
                 [`Sharded`][gradaccum.sync.Sharded] itself, or its gathered params).
             metrics: The names of the metrics that ``add`` will be given, if a first window
                 may be empty on some rank (it then sends zeros under these names, as the other
-                ranks expect). Later empty windows send the names of the window before.
+                ranks expect). Later empty windows send the names of the window before. A dict
+                from names to shapes for 1-D metrics: e.g. ``{"loss": (), "per_expert": (8,)}``.
 
         Returns:
             An [`AccumState`][gradaccum.streaming.AccumState] with no micro-batch in it.
@@ -119,7 +120,7 @@ class Accumulator:
     def _sync(self) -> Sync:
         return self.sync if self.sync is not None else LOCAL
 
-    def _window(self, where: str, state: AccumState[T], n: int, names: Any = ()) -> Window:
+    def _window(self, where: str, state: AccumState[T], n: int, sig: Any = ()) -> Window:
         """The window ``state`` is in: the live one, or one opened (and given the sums)."""
         sums = state.sums
         if isinstance(sums, Window):
@@ -128,14 +129,18 @@ class Accumulator:
         # Read while torch.compile traces add(), the index would recompile it every window.
         traced = torch.compiler.is_compiling()
         index, epoch = (0, 0) if traced else (state.window, state.epoch)
-        window = self._sync.open(self._spec(where, state, n, (index, epoch), names))
+        window = self._sync.open(self._spec(where, state, n, (index, epoch), sig))
         if sums is not None:
             window.restore(_tree.flatten(sums)[0])
         return window
 
-    def _spec(self, where: str, state: AccumState[T], n: int, at: Any, names: Any) -> WindowSpec:
-        """``state``'s window (``n`` agreed over the ranks; ``at``: its index and epoch)."""
-        rest = {"index": at[0], "epoch": at[1], "metrics": names}
+    def _spec(self, where: str, state: AccumState[T], n: int, at: Any, sig: Any) -> WindowSpec:
+        """``state``'s window (``n`` agreed over the ranks; ``at``: its index and epoch).
+
+        ``sig``: the window's metrics, ``(name, shape)`` pairs sorted by name.
+        """
+        names, shapes = tuple(k for k, _ in sig), tuple(shape for _, shape in sig)
+        rest = {"index": at[0], "epoch": at[1], "metrics": names, "metric_shapes": shapes}
         return WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state, **rest)
 
     def window_size(self, state: AccumState[T]) -> int:
@@ -169,9 +174,10 @@ class Accumulator:
             size: The micro-batch's number of rows; required for ``reduction="mean"``.
             count: The number of items the micro-batch's summed loss covers (e.g. non-padding
                 tokens); required for ``reduction="count"``.
-            metrics: Scalars to sum over the window's micro-batches and over the ranks, e.g.
+            metrics: Numbers to sum over the window's micro-batches and over the ranks, e.g.
                 ``{"loss": loss_sum.detach()}``: a dict from names to numbers or 0-dim tensors,
-                with the same names at every ``add`` of a window. They are added on the device,
+                or 1-D tensors (e.g. a count per expert, summed element by element), with the
+                same names and shapes at every ``add`` of a window. They are added on the device,
                 without a host sync, and reduced in the boundary collective that carries the
                 window's weight (no collective of their own);
                 [`boundary()`][gradaccum.Accumulator.boundary] returns their totals.
@@ -181,12 +187,12 @@ class Accumulator:
 
         Raises:
             TypeError: A gradient leaf is not a floating tensor, ``size``/``count`` has the
-                wrong type, or a metric is not a real number or 0-dim tensor.
+                wrong type, or a metric is not a real number or real tensor.
             ValueError: ``grads`` does not match ``params`` (the message names the key path),
                 ``size``/``count`` is missing or out of range, a metric is a tensor of more
-                than one element, or the metrics' names differ from the window's earlier ones;
-                a call under a ``torch.func`` transform (``jacrev``, ``vmap``, ...): the window
-                is accumulated, never differentiated through or batched.
+                than one dim, or the metrics' names or shapes differ from the window's earlier
+                ones; a call under a ``torch.func`` transform (``jacrev``, ``vmap``, ...): the
+                window is accumulated, never differentiated through or batched.
         """
         where = "Accumulator.add(state, grads)"
         check_no_transform(where)
@@ -194,10 +200,10 @@ class Accumulator:
         check_live(where, state)
         alpha, weight = micro_weight(where, self.reduction, size, count)
         first = state.micro_step == 0
-        names = state.metrics  # metrics=None and none so far: nothing to do per micro-batch
-        if metrics is not None or names is not None:
-            names = _metrics.check(where, state.metrics, first, metrics)
-        window = self._window(where, state, self.window_size(state), tuple(names) if names else ())
+        sig: Any = None  # metrics=None and none so far: nothing to do per micro-batch
+        if metrics is not None or state.metrics is not None:
+            sig = _metrics.check(where, state.metrics, first, metrics)
+        window = self._window(where, state, self.window_size(state), sig or ())
         window.begin(1)
         window.add(check_grads(where, state.layout, grads), alpha)
         window.step()
@@ -205,7 +211,7 @@ class Accumulator:
         new = state._replace(
             sums=sums, weight=state.weight + weight, micro_step=state.micro_step + 1
         )
-        if names is not None:
+        if sig is not None:
             new = new._replace(
                 metrics=_metrics.add(
                     state.metrics, first, metrics, _metrics.device_of(state.layout)
@@ -274,12 +280,12 @@ class Accumulator:
         check_no_transform(where)
         check_state(where, state)
         check_live(where, state)
-        names = _metrics.names_of(state.metrics)
-        window = self._window(where, state, self.window_size(state), names)
-        if names:
+        sig = _metrics.signature(state.metrics)
+        window = self._window(where, state, self.window_size(state), sig)
+        if sig:
             window.metrics = list(state.metrics.values())
         grads = window.finish(state.weight)
-        carried = _metrics.zeros(names, _metrics.device_of(state.layout))
+        carried = _metrics.zeros(sig, _metrics.device_of(state.layout))
         new = AccumState(
             None, 0, 0, state.window + 1, state.layout, window.state, None, carried, state.epoch
         )
@@ -294,8 +300,7 @@ class Accumulator:
                 f"(or set self.totals in finish), or call finalize(state) instead."
             )
         weight, totals = window.totals
-        named = {k: float(v) for k, v in zip(names, totals)}
-        return grads, out, WindowStats(state.window, float(weight), named)
+        return grads, out, WindowStats(state.window, float(weight), _metrics.unpack(sig, totals))
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:
         """Give up the current window after an error on this rank.
@@ -322,10 +327,10 @@ class Accumulator:
         """
         where = f"{self._where}.abort(state)"
         check_state(where, state)
-        names = _metrics.names_of(state.metrics)
+        sig = _metrics.signature(state.metrics)
         with contextlib.suppress(Exception):  # the caller's error is the one to report
-            self._window(where, state, self.window_size(state), names).abort(state.weight)
-        carried = _metrics.zeros(names, _metrics.device_of(state.layout))
+            self._window(where, state, self.window_size(state), sig).abort(state.weight)
+        carried = _metrics.zeros(sig, _metrics.device_of(state.layout))
         new = AccumState(
             None,
             0,
@@ -398,9 +403,9 @@ class Accumulator:
         n = self.window_size(state._replace(window=at))
         where = "Accumulator.load_state_dict(state, state_dict)"
         saved_metrics = state_dict.get("metrics") if isinstance(state_dict, dict) else None
-        names = tuple(sorted(map(str, saved_metrics))) if isinstance(saved_metrics, dict) else ()
+        sig = _metrics.saved_signature(saved_metrics)
         epoch = state_dict.get("epoch", 0) if isinstance(state_dict, dict) else 0
         epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
-        spec = self._spec(where, state, n, (at, max(epoch, 0)), names)
+        spec = self._spec(where, state, n, (at, max(epoch, 0)), sig)
         restored = self._sync.load_state_dict(spec, state, state_dict)
         return pass_on(restored._replace(sums=None), restored, "load_state_dict()")

@@ -48,6 +48,9 @@ class WindowSpec:
             fingerprint with ``index``.
         metrics: The names of the window's metrics (sorted; ``Accumulator.add(metrics=...)``),
             summed over the ranks in the boundary's tail after the weight and failure flag.
+        metric_shapes: The shape of each metric, in ``metrics`` order: ``()`` for a scalar,
+            ``(k,)`` for a 1-D metric of ``k`` numbers (they take ``k`` floats of the tail, in
+            order). Empty: every metric is a scalar.
 
     Examples:
         >>> import torch, gradaccum
@@ -71,6 +74,7 @@ class WindowSpec:
     index: int = 0
     epoch: int = 0
     metrics: tuple[str, ...] = ()
+    metric_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class Window:
@@ -87,14 +91,15 @@ class Window:
             ``None`` before the first micro-batch.
         state: The sync's state to carry to the next window (``spec.state`` unless ``finish``
             replaces it).
-        metrics: This rank's metric sums (0-dim tensors, in ``spec.metrics`` order), set by the
-            core before ``finish``; ``[]`` without metrics.
+        metrics: This rank's metric sums (tensors of ``spec.metric_shapes``, in ``spec.metrics``
+            order), set by the core before ``finish``; ``[]`` without metrics.
         hint: ``None``, or (``mean`` only) a global weight that every rank expects: the core then
             divides each micro-batch's gradient by it, and ``finish`` must scale the summed
             gradients by ``hint / total`` instead of dividing by ``total``. Decide it from the
             spec alone, the same on every rank.
         totals: Set at the boundary: ``(weight, metrics)`` summed over the ranks (a number or
-            0-dim tensor, and a list in ``spec.metrics`` order). ``Comm.exchange`` of a
+            0-dim tensor, and a list in ``spec.metrics`` order: flat numbers, 1-D metrics
+            element by element, or one tensor per metric). ``Comm.exchange`` of a
             [`connect()`][gradaccum.sync.Window.connect]-ed ``Comm`` sets it, and so does the
             base ``finish`` (one process) when it is still ``None``.
 

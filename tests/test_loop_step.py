@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import dist
 import pytest
@@ -379,3 +380,629 @@ def test_messages_in_full() -> None:
         "count), got Tensor(shape=(), dtype=float64); return e.g. (loss_sum, (labels != "
         "-100).sum())."
     )
+
+
+# -- Step equals the plain loop (issue 26, section 1) ------------------------------------------
+
+F64 = torch.float64
+
+
+def raises(exc: type[BaseException], message: str):
+    return pytest.raises(exc, match=rf"\A{re.escape(message)}\Z")
+
+
+class Net(nn.Module):
+    """BatchNorm, dropout, a head only some micro-batches use, and a layer no loss uses."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(8, 1)
+        self.extra = nn.Linear(5, 1)  # reached only by the micro-batches flagged "extra"
+        self.unused = nn.Linear(4, 4)  # reached by no loss
+        self.double()
+
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+        h = self.out(self.drop(self.bn(torch.tanh(self.inp(x)))))
+        return h + self.extra(x) if extra else h
+
+
+def micro_batch(seed: int, rows: int, extra: bool = False) -> tuple:
+    """``(x, y, mask, extra)``: three tensors of ``rows`` rows and a flag (not a tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 5, generator=g, dtype=F64)
+    y = torch.randn(rows, 1, generator=g, dtype=F64)
+    mask = (torch.rand(rows, 1, generator=g) < 0.7).to(F64)
+    mask[0] = 1.0  # every micro-batch counts something
+    return x, y, mask, extra
+
+
+def net_loss(reduction: str):
+    def mean(model, batch):
+        x, y, _, extra = batch
+        return F.mse_loss(model(x, extra), y)
+
+    def summed(model, batch):
+        x, y, _, extra = batch
+        return F.mse_loss(model(x, extra), y, reduction="sum")
+
+    def count(model, batch):
+        x, y, mask, extra = batch
+        return ((model(x, extra) - y).pow(2) * mask).sum(), mask.sum()
+
+    return {"mean": mean, "sum": summed, "count": count}[reduction]
+
+
+def make_opt(kind: str, model: nn.Module):
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+
+def plain_window(model, loss_fn, opt, sched, window, seeds, reduction, clip) -> float:
+    """The plain PyTorch loop over one (global) window; returns the window's loss."""
+    rows = sum(len(b[0]) for b in window)
+    counted = sum(float(b[2].sum()) for b in window)
+    total = 0.0
+    for batch, seed in zip(window, seeds, strict=True):
+        torch.manual_seed(seed)
+        out = loss_fn(model, batch)
+        if reduction == "mean":
+            scaled, part = out * len(batch[0]) / rows, out.item() * len(batch[0]) / rows
+        elif reduction == "sum":
+            scaled, part = out, out.item()
+        else:
+            scaled, part = out[0] / counted, out[0].item() / counted
+        scaled.backward()
+        total += part
+    if clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        sched.step(total)
+    elif sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def same_training_state(model, ref, opt, ref_opt, tol: float) -> None:
+    """Params, buffers, .grad and the optimizer's state all as the plain loop left them."""
+    for (k, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert (p - q).abs().max().item() < tol, k
+        assert p.grad is None, k
+        assert (p in opt.state) == (q in ref_opt.state), k
+        for key, value in ref_opt.state.get(q, {}).items():
+            got = opt.state[p][key]
+            assert (got - value).abs().max().item() < tol if key != "step" else got == value, k
+
+
+WINDOWS = [  # (rows, extra) of each micro-batch: the "extra" head is unused in the last window
+    [(3, False), (5, True), (2, False), (4, False)],
+    [(2, True), (2, False)],
+    [(6, False), (2, False)],
+]
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "count"])
+def test_step_leaves_model_and_optimizer_as_the_plain_loop(reduction, kind, clip) -> None:
+    model, ref = Net(), Net()
+    (opt, sched), (ref_opt, ref_sched) = make_opt(kind, model), make_opt(kind, ref)
+    loss_fn = net_loss(reduction)
+    step = Step(model, loss_fn, opt, scheduler=sched, clip=clip, reduction=reduction)
+    for w, sizes in enumerate(WINDOWS):
+        window = [micro_batch(100 * w + j, r, e) for j, (r, e) in enumerate(sizes)]
+        seeds = [1000 * w + j for j in range(len(window))]
+        for batch, seed in zip(window, seeds):
+            torch.manual_seed(seed)  # the dropout masks: the same as the plain loop's
+            step.add(batch)
+        stats = step.apply()
+        loss = plain_window(ref, loss_fn, ref_opt, ref_sched, window, seeds, reduction, clip)
+        same_training_state(model, ref, opt, ref_opt, TIGHT)
+        for b, c in zip(model.buffers(), ref.buffers(), strict=True):  # BatchNorm's statistics
+            assert (b.double() - c.double()).abs().max().item() < TIGHT
+        assert abs(stats.loss - loss) < TIGHT
+    # The head no loss reaches: untouched by weight decay and momentum, no optimizer state.
+    assert torch.equal(model.unused.weight, Net().unused.weight)
+    assert model.unused.weight not in opt.state
+    # The extra head, unused in the last window: stepped in windows 0 and 1 only.
+    if kind == "adamw":
+        assert opt.state[model.extra.weight]["step"].item() == 2
+
+
+def _plain_loop_on_two_ranks(rank: int, world: int) -> dict:
+    """Every reduction, optimizer and clip on 2 ranks against one process over the global
+    window: the extra head used on rank 1 only (window 0), an empty rank (window 1), the head
+    unused on every rank (window 2), the layer "unused" never used.
+    """
+    plan = {  # window -> rank -> [(rows, extra)]
+        0: {0: [(3, False), (2, False)], 1: [(4, True)]},
+        1: {0: [(2, False), (2, True), (3, False)], 1: []},
+        2: {0: [(2, False)], 1: [(3, False), (2, False)]},
+    }
+    out = {}
+    configs = [
+        (r, k, c) for r in ("mean", "sum", "count") for k in ("sgd", "adamw") for c in (None, 0.5)
+    ]
+    configs.append(("mean", "adamw-custom", 0.5))
+    for reduction, kind, clip in configs:
+        custom = kind.endswith("-custom")
+        if custom:
+
+            def summed(grads, state, group):
+                for g in grads.values():
+                    torch.distributed.all_reduce(g, group=group)
+                return grads, state
+
+            sync = gradaccum.custom_reduce(summed)
+        else:
+            sync = gradaccum.all_reduce(bucket_mb=1e-5)  # several buckets
+        kind = kind.removesuffix("-custom")
+        model, ref = Net(), Net()
+        (opt, sched), (ref_opt, ref_sched) = make_opt(kind, model), make_opt(kind, ref)
+        loss_fn = net_loss(reduction)
+        step = Step(model, loss_fn, opt, scheduler=sched, clip=clip, reduction=reduction, sync=sync)
+        diffs, grads_seen = [], []
+        for w, ranks in plan.items():
+            batches = {
+                r: [micro_batch(100 * w + 10 * r + j, n, e) for j, (n, e) in enumerate(ranks[r])]
+                for r in ranks
+            }
+            seeds = {r: [1000 * w + 10 * r + j for j in range(len(ranks[r]))] for r in ranks}
+            for batch, seed in zip(batches[rank], seeds[rank]):
+                torch.manual_seed(seed)
+                step.add(batch)
+            before = {k: p.detach().clone() for k, p in model.named_parameters()}
+            stats = step.apply()
+            window = batches[0] + batches[1]
+            loss = plain_window(
+                ref, loss_fn, ref_opt, ref_sched, window, seeds[0] + seeds[1], reduction, clip
+            )
+            diffs.append(max_param_diff(model, ref))
+            diffs.append(abs(stats.loss - loss))
+            grads_seen.append(
+                sorted(k for k, p in model.named_parameters() if not torch.equal(p, before[k]))
+            )
+            same_training_state(model, ref, opt, ref_opt, 1e-10)
+        out[(reduction, kind, clip, custom)] = {
+            "diff": max(diffs),
+            "moved": grads_seen,
+            "extra state": model.extra.weight in opt.state,
+            "unused state": model.unused.weight in opt.state,
+        }
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_ranks_leave_model_and_optimizer_as_one_plain_loop_over_the_global_window() -> None:
+    r0, r1 = dist.values(dist.run(_plain_loop_on_two_ranks, timeout=280))
+    assert r0.keys() == r1.keys()
+    assert len(r0) == 13
+    body = ["bn.bias", "bn.weight", "inp.bias", "inp.weight", "out.bias", "out.weight"]
+    extra = ["extra.bias", "extra.weight"]
+    for key in r0:
+        for r in (r0, r1):
+            assert r[key]["diff"] < 1e-10, key
+            assert r[key]["extra state"] is True, key  # used on rank 1 only: stepped on both
+            assert r[key]["unused state"] is False, key
+        assert r0[key]["moved"] == r1[key]["moved"], key
+        # The extra head moves in windows 0 (rank 1 used it) and 1 (rank 0 did), and not in
+        # window 2, where no rank used it: no weight decay, no momentum, as in the plain loop.
+        moved = r0[key]["moved"]
+        assert moved[0] == sorted(body + extra), key
+        assert moved[1] == sorted(body + extra), key
+        assert moved[2] == body, key
+
+
+def test_unused_parameters_keep_grad_none_and_no_optimizer_state() -> None:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    seen = {}
+
+    def hook(optimizer, args, kwargs):  # .grad as the optimizer sees it
+        seen.update({k: p.grad for k, p in model.named_parameters()})
+
+    opt.register_step_pre_hook(hook)
+    step = Step(model, net_loss("mean"), opt)
+    before = model.unused.weight.detach().clone()
+    for w in range(3):
+        step.add(micro_batch(w, 4))
+        step.apply()
+        assert seen["unused.weight"] is None
+        assert seen["extra.bias"] is None
+        assert seen["inp.weight"] is not None
+    assert torch.equal(model.unused.weight, before)
+    assert [p for p in (model.unused.weight, model.extra.weight) if p in opt.state] == []
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- the weight of a micro-batch ---------------------------------------------------------------
+
+
+def test_a_batch_whose_tensors_disagree_on_dim_0_is_refused_until_rows_are_given() -> None:
+    x, y = data(6)
+    per_class = torch.tensor([1.0, 2.0, 0.5], dtype=F64)  # a per-class weight: 3 rows, not 6
+
+    def weighted(model, batch):
+        err = (model(batch["x"]) - batch["y"]).pow(2).squeeze(-1)
+        return (err * batch["class_weight"][batch["cls"]]).mean()
+
+    cls = torch.tensor([0, 1, 2, 0, 1, 2])
+    batches = [
+        {"x": x[:4], "y": y[:4], "cls": cls[:4], "class_weight": per_class},
+        {"x": x[4:], "y": y[4:], "cls": cls[4:], "class_weight": per_class},
+    ]
+    model = make_model()
+    step = Step(model, weighted, torch.optim.SGD(model.parameters(), lr=0.1))
+    with raises(
+        ValueError,
+        "Step.add(batch): under reduction='mean' a micro-batch weighs its rows, the size of "
+        "dim 0 shared by its tensors, but they disagree: batch['class_weight'] has 3 along dim "
+        "0 and batch['cls'] has 4, so the rows are not known; return (loss, rows) from the "
+        "loss function, rows the number of examples its mean covers (e.g. (loss, "
+        "len(batch['input_ids']))).",
+    ):
+        step.add(batches[0])
+    assert step.micro_step == 0  # nothing was added
+    summed = Step(model, weighted, torch.optim.SGD(model.parameters()), reduction="sum")
+    with raises(
+        ValueError,
+        "Step.add(batch): under reduction='sum' a micro-batch counts its rows (StepStats.items), "
+        "the size of dim 0 shared by its tensors, but they disagree: batch['class_weight'] has "
+        "3 along dim 0 and batch['cls'] has 4, so the rows are not known; return (loss, rows) "
+        "from the loss function, rows the number of examples its sum covers (e.g. (loss, "
+        "len(batch['input_ids']))).",
+    ):
+        summed.add(batches[0])
+    # Stated: exact.
+    model, ref = make_model(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = Step(model, lambda m, b: (weighted(m, b), len(b["x"])), opt)
+    for batch in batches:
+        step.add(batch)
+    step.apply()
+    weighted(ref, {"x": x, "y": y, "cls": cls, "class_weight": per_class}).backward()
+    ref_opt.step()
+    assert max_param_diff(model, ref) < TIGHT
+    # No tensor with a dim at all.
+    step = Step(model, lambda m, b: m(b["x"].expand(1, 5)).sum(), opt)
+    with raises(
+        ValueError,
+        "Step.add(batch): under reduction='mean' a micro-batch weighs its rows, the size of "
+        "dim 0 of its tensors, but this one has no tensor with a dim; return (loss, rows) from "
+        "the loss function, rows the number of examples its mean covers (e.g. (loss, "
+        "len(batch['input_ids']))).",
+    ):
+        step.add({"x": torch.zeros((), dtype=F64), "id": 3})
+
+
+def test_the_rows_are_dim_0_of_every_tensor_leaf_whatever_the_keys() -> None:
+    # A dict batch whose first key (sorted) is not the inputs: the same rows from every leaf.
+    model, ref = make_model(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = Step(model, lambda m, b: F.mse_loss(m(b["x"]), b["y"]), opt)
+    x, y = data(7)
+    for rows in (slice(0, 2), slice(2, 7)):
+        step.add({"a_ids": torch.arange(7)[rows], "x": x[rows], "y": y[rows], "note": "text"})
+    assert step.apply().items == 7.0
+    F.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    assert max_param_diff(model, ref) < TIGHT
+
+
+# -- schedulers that take a metric -------------------------------------------------------------
+
+
+class NeedsAValue:
+    """A scheduler of one's own whose step() requires the value to follow."""
+
+    def __init__(self, opt) -> None:
+        self.optimizer, self.values = opt, []
+
+    def step(self, value) -> None:
+        self.values.append(value)
+        for group in self.optimizer.param_groups:
+            group["lr"] *= 0.5 if value > 1.0 else 1.0
+
+
+def test_a_plateau_scheduler_is_stepped_with_the_window_loss_as_in_the_plain_loop() -> None:
+    model, ref = Net(), Net()
+    (opt, _), (ref_opt, _) = make_opt("sgd", model), make_opt("sgd", ref)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    ref_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(ref_opt, factor=0.5, patience=0)
+    step = Step(model, net_loss("mean"), opt, scheduler=plateau)
+    lrs = []
+    for w in range(6):
+        window = [micro_batch(7 * w + j, 3 + j) for j in range(3)]
+        for j, batch in enumerate(window):
+            torch.manual_seed(j)
+            step.add(batch)
+        stats = step.apply()
+        plain_window(ref, net_loss("mean"), ref_opt, ref_plateau, window, range(3), "mean", None)
+        same_training_state(model, ref, opt, ref_opt, TIGHT)
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        assert stats.lr == lrs[-1] if lrs else stats.lr == 0.05
+        lrs.append(opt.param_groups[0]["lr"])
+    assert len(set(lrs)) > 1  # the plateau did lower the rate
+    # Any scheduler whose step() needs a value gets the window's loss.
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    own = NeedsAValue(opt)
+    step = Step(model, mse, opt, scheduler=own)
+    step.add(data(4))
+    assert own.values == [step.apply().loss]
+
+
+# -- parameters frozen or unfrozen -------------------------------------------------------------
+
+
+def test_parameters_frozen_or_unfrozen_between_windows_train_as_in_the_plain_loop() -> None:
+    model, ref = Net(), Net()
+    (opt, sched), (ref_opt, ref_sched) = make_opt("adamw", model), make_opt("adamw", ref)
+    step = Step(model, net_loss("mean"), opt, scheduler=sched, clip=1.0)
+    changes = {  # before window w: (module name, requires_grad)
+        1: [("inp", False)],
+        2: [("out", False), ("unused", True)],  # unused stays unused: still no .grad
+        3: [("inp", True), ("out", True)],
+    }
+    for w in range(5):
+        for name, flag in changes.get(w, []):
+            for m in (model, ref):
+                getattr(m, name).requires_grad_(flag)
+        window = [micro_batch(10 * w + j, 3, j == 1) for j in range(3)]
+        for j, batch in enumerate(window):
+            torch.manual_seed(j)
+            step.add(batch)
+        step.apply()
+        plain_window(ref, net_loss("mean"), ref_opt, ref_sched, window, range(3), "mean", 1.0)
+        same_training_state(model, ref, opt, ref_opt, TIGHT)
+    # Changed in the middle of a window: refused before anything changes; the window goes on.
+    step.add(micro_batch(99, 3))
+    model.out.weight.requires_grad_(False)
+    with raises(
+        ValueError,
+        "Step.add(batch): the parameter 'out.weight' was frozen (requires_grad=False) in the "
+        "middle of window 5, after 1 micro-batch(es); change requires_grad between windows "
+        "(after step.apply()), where the step follows it as a plain loop would. This "
+        "micro-batch was not added.",
+    ):
+        step.add(micro_batch(98, 3))
+    model.out.weight.requires_grad_(True)
+    step.add(micro_batch(98, 3))
+    assert step.apply().micro_batches == 2
+    # Nothing left to train.
+    model.requires_grad_(False)
+    step.add  # noqa: B018 - the refusal comes at the next window's start
+    with raises(
+        ValueError,
+        "Step.add(batch): the model has no trainable parameters (none with requires_grad); "
+        "unfreeze what you mean to train.",
+    ):
+        step.add(micro_batch(97, 3))
+
+
+def test_a_custom_reduction_with_state_refuses_a_change_of_trainable_parameters(
+    world_of_one,
+) -> None:
+    model = make_model()
+    sync = gradaccum.custom_reduce(lambda g, s, pg: (g, s), init=lambda grads: grads)
+    step = Step(model, mse, torch.optim.SGD(model.parameters(), lr=0.1), sync=sync)
+    step.add(data(3))
+    step.apply()
+    model[0].requires_grad_(False)
+    with raises(
+        ValueError,
+        "Step.add(batch): the trainable parameters (requires_grad) changed since the last "
+        "window, but the sync keeps a state between windows shaped like the old ones (its "
+        "custom reduction's, e.g. error feedback), which would not fit; keep requires_grad "
+        "fixed with this sync, or build a new sync and Step after changing it. Nothing was "
+        "changed.",
+    ):
+        step.add(data(3))
+
+
+# -- data= and the boundary's agreements -------------------------------------------------------
+
+
+def with_hooks(data, sync):
+    """The real windows(...), given the attributes Step reads if this Windows lacks them."""
+    native = hasattr(data, "_on_error")
+    if not hasattr(data, "sync"):
+        data.sync = sync
+    if not native:
+        data._on_error = []
+    return data, native
+
+
+def test_data_gives_its_sync_and_a_different_sync_is_refused(world_of_one) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = gradaccum.all_reduce()
+    windowed, _ = with_hooks(windows([data(2)] * 4, 2, sync=sync), sync)
+    step = Step(model, mse, opt, data=windowed)
+    assert step.sync is sync
+    assert step.data is windowed
+    assert windowed._on_error == [step._failed_data]
+    again = Step(model, mse, opt, data=windowed, sync=sync)  # the same sync: fine
+    assert again.sync is sync
+    assert windowed._on_error == [again._failed_data]  # the data feeds the last step built
+    other = gradaccum.all_reduce()
+    with raises(
+        ValueError,
+        f"Step(model, loss, optimizer, ...): sync= and data= name different syncs: sync is "
+        f"AllReduce at {id(other):#x}, data.sync (the sync given to windows(...)) is AllReduce "
+        f"at {id(sync):#x}; pass the same sync object to both, or leave out sync= here (the "
+        f"step then takes data's).",
+    ):
+        Step(model, mse, opt, data=windowed, sync=other)
+    with raises(
+        TypeError,
+        "Step(model, loss, optimizer, ...): data must be None or what "
+        "gradaccum.loop.windows(...) returned, got list; pass "
+        "data=gradaccum.loop.windows(loader, n, sync=sync).",
+    ):
+        Step(model, mse, opt, data=[data(2)])
+    assert Step(model, mse, optimizer=opt).optimizer is opt  # by keyword, as before
+
+
+def test_a_data_error_without_a_sync_leaves_the_window_going() -> None:
+    model = make_model()
+    windowed, _ = with_hooks(windows([data(2)] * 4, 2), None)
+    step = Step(model, mse, torch.optim.SGD(model.parameters(), lr=0.1), data=windowed)
+    step.add(data(2))
+    windowed._on_error[0](RuntimeError("a bad file"))
+    assert (step.window, step.micro_step) == (0, 1)
+    assert step.apply().micro_batches == 1
+
+
+class Flaky:
+    """A rank's micro-batches: reading number ``bad`` raises (a corrupt file, say)."""
+
+    def __init__(self, rank: int, bad: int | None) -> None:
+        self.rank, self.bad = rank, bad
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self):
+        for i in range(8):
+            if i == self.bad:
+                raise OSError(f"rank {self.rank}: cannot read micro-batch {i}")
+            yield data(2, seed=10 * self.rank + i)
+
+
+def _one_rank_fails(rank: int, world: int, how: str) -> dict:
+    import time
+
+    model = make_model()
+    sync = gradaccum.all_reduce()  # no timeout of its own: the group's (short) one
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bad = 5 if how == "data" and rank == 1 else None
+    data, native = with_hooks(windows(Flaky(rank, bad), 4, sync=sync), sync)
+    step = Step(model, mse, opt, data=data)
+    t0 = time.perf_counter()
+    try:
+        for window in data:
+            it = iter(window)
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except Exception as err:
+                    if not native:  # what windows(...) does itself once it has _on_error
+                        for hook in data._on_error:
+                            hook(err)
+                    raise
+                if how == "loss" and rank == 1 and window.index == 1 and step.micro_step == 1:
+                    batch = (batch[0][:, :4], batch[1])  # the wrong shape for the model
+                step.add(batch)
+            t0 = time.perf_counter()
+            step.apply()
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
+    return {"error": "none", "seconds": 0.0}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["data", "loss"])
+def test_an_error_on_one_rank_mid_window_makes_every_rank_raise_promptly(how) -> None:
+    results = dist.run(_one_rank_fails, how, timeout=120, pg_timeout=30)
+    r0, r1 = dist.values(results)
+    if how == "data":
+        assert r1["error"] == "OSError: rank 1: cannot read micro-batch 5"
+    else:
+        assert r1["error"].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+    assert r0["error"] == (
+        "GradAccumError: Step.apply(): 1 other rank(s) of the 2 in the group raised an error "
+        "during this window (rank 0 did not); no gradient is returned on any rank. The cause "
+        "is in the failing rank's traceback."
+    )
+    assert r0["seconds"] < 10  # the group's timeout is 30 s: nobody waited for it
+
+
+def _saves_differ(rank: int, world: int) -> dict:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = Step(model, mse, opt, sync=gradaccum.all_reduce())
+    out = {}
+    step.add(data(2, seed=rank))
+    step._saves += 1  # both ranks saved once: fine
+    step.apply()
+    out["after equal"] = step._saves
+    step.add(data(2, seed=rank))
+    if rank == 0:
+        step._saves += 1  # a loop.save reached by rank 0 only
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = opt.state[model[0].weight]["momentum_buffer"].clone()
+    try:
+        step.apply()
+        out["error"] = "none"
+    except gradaccum.GradAccumError as err:
+        out["error"] = str(err)
+    out["unchanged"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    out["momentum"] = torch.equal(opt.state[model[0].weight]["momentum_buffer"], steps)
+    out["saves"] = step._saves
+    return out
+
+
+@pytest.mark.distributed
+def test_ranks_that_saved_a_different_number_of_times_all_raise_before_the_optimizer_steps() -> (
+    None
+):
+    r0, r1 = dist.values(dist.run(_saves_differ, timeout=120))
+    for rank, r in enumerate((r0, r1)):
+        assert r["after equal"] == 0
+        assert r["error"] == (
+            f"Step.apply(): the ranks called gradaccum.loop.save a different number of times "
+            f"in window 1 (this rank {1 - rank}; 1 calls over 2 ranks), so the checkpoint is "
+            f"not the same point on every rank. Every rank must reach each save: decide it "
+            f"from the window alone (if window.index == save_at: loop.save(path, step)). The "
+            f"optimizer did not step, on any rank."
+        )
+        assert r["unchanged"]
+        assert r["momentum"]
+        assert r["saves"] == 0
+
+
+def _frozen_on_one_rank(rank: int, world: int) -> dict:
+    model = make_model()
+    step = Step(
+        model, mse, torch.optim.SGD(model.parameters(), lr=0.1), sync=gradaccum.all_reduce()
+    )
+    out = {}
+    # Both ranks freeze the first layer; rank 1's window is empty: it follows at apply().
+    model[0].requires_grad_(False)
+    if rank == 0:
+        step.add(data(2))
+    step.apply()
+    out["frozen"] = model[0].weight.grad is None
+    # Only rank 1 unfreezes it: the ranks' gradient trees differ.
+    if rank == 1:
+        model[0].requires_grad_(True)
+    step.add(data(2, seed=rank))
+    try:
+        step.apply()
+        out["error"] = "none"
+    except gradaccum.GradAccumError as err:
+        out["error"] = str(err)
+    return out
+
+
+@pytest.mark.distributed
+def test_ranks_that_freeze_different_parameters_all_raise() -> None:
+    r0, r1 = dist.values(dist.run(_frozen_on_one_rank, timeout=120))
+    for r in (r0, r1):
+        assert r["frozen"] is True
+        assert r["error"].startswith(
+            "Step.apply(): the ranks disagree on the gradients to synchronise"
+        )
+        assert "nothing was reduced" in r["error"]

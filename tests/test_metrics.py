@@ -194,11 +194,11 @@ def test_a_saved_state_without_metrics_loads_and_bad_metrics_are_refused() -> No
     assert acc.load_state_dict(acc.init({"w": torch.zeros(2)}), sd).metrics is None
     where = "Accumulator.load_state_dict(state, state_dict): "
     fix = "; pass the dict that state_dict() returned (torch.load(path, weights_only=True))."
-    for bad in ({"loss": 1.0}, {"loss": torch.ones(2, dtype=F64)}, ["loss"]):
+    for bad in ({"loss": 1.0}, {"loss": torch.ones(2, 2, dtype=F64)}, ["loss"]):
         with raises(
             gradaccum.GradAccumError,
-            f"{where}metrics must be None or a dict (sorted by name) from names to 0-dim "
-            f"floating tensors, got {type(bad).__name__}{fix}",
+            f"{where}metrics must be None or a dict (sorted by name) from names to floating "
+            f"tensors of 0 or 1 dims, got {type(bad).__name__}{fix}",
         ):
             acc.load_state_dict(acc.init({"w": torch.zeros(2)}), {**sd, "metrics": bad})
 
@@ -233,27 +233,34 @@ def test_metric_errors_name_the_key_and_change_nothing() -> None:
         (
             {"loss": torch.ones(3), "tokens": 3},
             ValueError,
-            "metrics['loss'] must be a scalar (a 0-dim tensor), got Tensor(shape=(3,), "
-            "dtype=float32); sum (or average) it to one number first, e.g. "
-            "metrics={'loss': value.sum()}.",
+            "metrics['loss'] has the shape (3,) but () at the window's earlier micro-batches; "
+            "give a metric one shape in every add() of a window (a scalar, or a 1-D tensor of "
+            "one length).",
+        ),
+        (
+            {"loss": torch.ones(3, 1), "tokens": 3},
+            ValueError,
+            "metrics['loss'] must be a scalar (a 0-dim tensor) or a 1-D tensor, got "
+            "Tensor(shape=(3, 1), dtype=float32); sum it to one number (metrics={'loss': "
+            "value.sum()}) or flatten it (metrics={'loss': value.reshape(-1)}).",
         ),
         (
             {"loss": "1.0", "tokens": 3},
             TypeError,
-            "metrics['loss'] must be a real number or a 0-dim real tensor, got str '1.0'; pass "
-            "e.g. metrics={'loss': loss.detach()}.",
+            "metrics['loss'] must be a real number or a 0-dim real tensor (or a 1-D one), got "
+            "str '1.0'; pass e.g. metrics={'loss': loss.detach()}.",
         ),
         (
             {"loss": 1.0, "tokens": True},
             TypeError,
-            "metrics['tokens'] must be a real number or a 0-dim real tensor, got bool True; pass "
-            "e.g. metrics={'tokens': loss.detach()}.",
+            "metrics['tokens'] must be a real number or a 0-dim real tensor (or a 1-D one), got "
+            "bool True; pass e.g. metrics={'tokens': loss.detach()}.",
         ),
         (
             [("loss", 1.0)],
             TypeError,
-            "metrics must be None or a dict from names to numbers or 0-dim tensors, got list; "
-            "pass e.g. metrics={'loss': loss.detach()}.",
+            "metrics must be None or a dict from names to numbers or 0-dim tensors (or 1-D "
+            "tensors of a fixed length), got list; pass e.g. metrics={'loss': loss.detach()}.",
         ),
     ]
     for metrics, exc, message in cases:
@@ -264,12 +271,14 @@ def test_metric_errors_name_the_key_and_change_nothing() -> None:
     grads, _, stats = acc.boundary(state)
     assert stats == WindowStats(0, 2.0, {"loss": 3.0, "tokens": 7.0})
     assert torch.equal(grads["w"], torch.full((2,), 2.0, dtype=F64))
-    with raises(
-        TypeError,
-        "Accumulator.init(params): metrics must be names (a tuple of str), got 'loss'; pass "
-        "e.g. metrics=('loss',).",
-    ):
-        acc.init(params, metrics="loss")
+    for bad in ("loss", {"loss": (2, 3)}, {"loss": 2}):
+        with raises(
+            TypeError,
+            f"Accumulator.init(params): metrics must be names (a tuple of str), or a dict from "
+            f"names to shapes (() or (length,)), got {bad!r}; pass e.g. metrics=('loss',) or "
+            f"metrics={{'loss': (), 'per_expert': (8,)}}.",
+        ):
+            acc.init(params, metrics=bad)
 
 
 def test_without_metrics_add_does_no_metric_work(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -496,3 +505,158 @@ def test_a_sync_written_outside_the_package_carries_the_metrics_through_connect(
         ("weight", 3),  # [weight, failed, loss]: exchange() added the metric
         ("gradients", 3),
     ]
+
+
+# -- 1-D metrics (a count per parameter, per expert) ----------------------------------------
+
+
+def _counts(seed: int, k: int = 4) -> torch.Tensor:
+    """A micro-batch's 1-D metric: small integer counts (exact in every dtype)."""
+    return torch.randint(0, 5, (k,), generator=torch.Generator().manual_seed(seed)).to(F64)
+
+
+def test_a_1d_metric_is_summed_element_by_element_and_reported_as_a_list() -> None:
+    params, acc = mlp_params(), gradaccum.Accumulator(n=3)
+    state = acc.init(params, metrics={"loss": (), "per": (4,)})
+    assert {k: tuple(v.shape) for k, v in state.metrics.items()} == {"loss": (), "per": (4,)}
+    want = torch.zeros(4, dtype=F64)
+    loss = 0.0
+    for j, rows in enumerate((4, 1, 6)):
+        g, m = _micro(params, j, rows)
+        state = acc.add(state, g, size=rows, metrics={"loss": m["loss"], "per": _counts(j)})
+        want += _counts(j)
+        loss += float(m["loss"])
+    assert state.metrics["per"].dtype == F64
+    grads, state, stats = acc.boundary(state)
+    assert stats.metrics == {"loss": stats.metrics["loss"], "per": want.tolist()}
+    assert abs(stats.metrics["loss"] - loss) < 1e-12
+    assert all(isinstance(v, float) for v in stats.metrics["per"])
+    # An empty next window carries zeros of the same shape (what it would send).
+    assert torch.equal(state.metrics["per"], torch.zeros(4, dtype=F64))
+    # A 1-D metric of length 1 stays a list; one of length 0 is allowed.
+    state = acc.add(state, g, size=1, metrics={"one": torch.ones(1), "none": torch.zeros(0)})
+    assert acc.boundary(state)[2].metrics == {"none": [], "one": [1.0]}
+
+
+def test_a_1d_metric_survives_a_mid_window_checkpoint_bit_identically() -> None:
+    params, acc = mlp_params(), gradaccum.Accumulator(n=3)
+    mbs = [
+        (_micro(params, j, rows)[0], rows, _counts(j, 6) / 3) for j, rows in enumerate((3, 2, 5))
+    ]
+    state = acc.init(params)
+    g, rows, c = mbs[0]
+    state = acc.add(state, g, size=rows, metrics={"per": c})
+    buf = io.BytesIO()
+    torch.save(acc.state_dict(state), buf)
+    for g, rows, c in mbs[1:]:
+        state = acc.add(state, g, size=rows, metrics={"per": c})
+    _, _, stats = acc.boundary(state)
+    buf.seek(0)
+    resumed = acc.load_state_dict(acc.init(params), torch.load(buf, weights_only=True))
+    assert resumed.metrics["per"].shape == (6,)
+    for g, rows, c in mbs[1:]:
+        resumed = acc.add(resumed, g, size=rows, metrics={"per": c})
+    assert acc.boundary(resumed)[2] == stats
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_every_sync_carries_a_1d_metric_in_its_boundary_tail() -> None:
+    params = {"w": torch.zeros(3, dtype=F64), "b": torch.zeros(2, dtype=F64)}
+    syncs = {
+        "local": lambda: None,
+        "all_reduce": lambda: gradaccum.all_reduce(),
+        "reduce_scatter": lambda: gradaccum.reduce_scatter(gradaccum.shard(params)),
+        "every": lambda: gradaccum.reduce_scatter(gradaccum.shard(params), policy="every"),
+        "custom_reduce": lambda: gradaccum.custom_reduce(lambda g, s, pg: (g, s)),
+    }
+    for name, make in syncs.items():
+        logs = []
+        for metrics in (None, {"loss": 1.5, "per": torch.tensor([1.0, 0.0, 2.0, 5.0, 0.5])}):
+            sync = make()
+            acc = gradaccum.Accumulator(n=2, sync=sync)
+            state = acc.init(
+                params if name in ("local", "all_reduce", "custom_reduce") else sync.sharded
+            )
+            with gradaccum.sync.record_collectives() as log:
+                for _ in range(2):
+                    g = {"w": torch.ones(3, dtype=F64), "b": torch.ones(2, dtype=F64)}
+                    state = acc.add(state, g, size=2, metrics=metrics)
+                _, _, stats = acc.boundary(state)
+            logs.append([(c.kind, c.purpose, c.numel) for c in log])
+            want = {} if metrics is None else {"loss": 3.0, "per": [2.0, 0.0, 4.0, 10.0, 1.0]}
+            assert stats.metrics == want, name
+        plain, with_metrics = logs
+        grown = [b[2] - a[2] for a, b in zip(plain, with_metrics, strict=True)]
+        assert sorted(grown) == ([] if name == "local" else [0] * (len(plain) - 1) + [6]), name
+
+
+def _two_ranks_1d(rank: int, world: int) -> dict[str, Any]:
+    params, out = mlp_params(), {}
+    for kind in ("all_reduce", "custom_reduce", "reduce_scatter"):
+        sync, target = _sync_of(kind, params)
+        acc = gradaccum.Accumulator(n=2, sync=sync)
+        state = acc.init(target, metrics={"per": (4,)})
+        stats = []
+        for w in range(2):  # window 1: rank 1 is empty (it sends zeros of the same shape)
+            for j in range(2 if (w == 0 or rank == 0) else 0):
+                g, _ = _micro(params, 10 * rank + j, 2)
+                state = acc.add(state, g, size=2, metrics={"per": _counts(100 * w + 10 * rank + j)})
+            _, state, s = acc.boundary(state)
+            stats.append(s.metrics["per"])
+        out[kind] = stats
+    # Ranks whose 1-D metric has another length: the fingerprint names both, nothing is sent.
+    acc = gradaccum.Accumulator(n=1, sync=gradaccum.all_reduce())
+    g, _ = _micro(params, rank, 2)
+    with gradaccum.sync.record_collectives() as log:
+        try:
+            acc.boundary(
+                acc.add(acc.init(params), g, size=2, metrics={"per": _counts(0, 4 + rank)})
+            )
+            out["lengths"] = "no error"
+        except gradaccum.GradAccumError as err:
+            out["lengths"] = str(err)
+    out["lengths log"] = [c.purpose for c in log]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_two_ranks_sum_a_1d_metric_and_refuse_lengths_that_differ() -> None:
+    results = values(run(_two_ranks_1d, timeout=180))
+    want = [
+        (sum(_counts(10 * r + j) for r in range(2) for j in range(2))).tolist(),
+        (_counts(100) + _counts(101)).tolist(),
+    ]
+    for rank, r in enumerate(results):
+        for kind in ("all_reduce", "custom_reduce", "reduce_scatter"):
+            assert r[kind] == want, (kind, rank)
+        other = 1 - rank
+        lengths = ("['per[4]']", "['per[5]']")
+        assert r["lengths"] == (
+            f"Accumulator(n=1).boundary(state): the ranks disagree on the gradients to "
+            f"synchronise: rank {rank} has metrics {lengths[rank]} but rank {other} has metrics "
+            f"{lengths[other]}. Every rank must pass params with the same key paths, shapes and "
+            f"dtypes, and the same reduction, sync options and (where it sets the collectives) "
+            f"n; nothing was reduced."
+        )
+        assert r["lengths log"] == ["fingerprint", "fingerprint"]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_dcp_save_and_load_keep_a_1d_metric_of_a_window_in_progress(tmp_path: Any) -> None:
+    def build() -> tuple[Any, gradaccum.Accumulator]:
+        sharded = gradaccum.shard({"w": torch.zeros(3, dtype=F64)})
+        return sharded, gradaccum.Accumulator(2, sync=gradaccum.reduce_scatter(sharded))
+
+    g = {"w": torch.ones(3, dtype=F64)}
+    m = {"loss": torch.tensor(0.1, dtype=F64), "per": torch.tensor([0.5, 1.0], dtype=F64)}
+    sharded, acc = build()
+    state = acc.add(acc.init(sharded), g, size=1, metrics=m)
+    gradaccum.sync.dcp_save(str(tmp_path), sharded, accumulator=acc, state=state)
+    _, _, straight = acc.boundary(acc.add(state, g, size=1, metrics=m))
+    sharded, acc = build()
+    state = gradaccum.sync.dcp_load(str(tmp_path), sharded, accumulator=acc)
+    assert state.metrics["per"].shape == (2,)
+    _, _, resumed = acc.boundary(acc.add(state, g, size=1, metrics=m))
+    assert resumed == straight
+    assert resumed.metrics["per"] == [1.0, 2.0]
