@@ -17,10 +17,6 @@
   (read back from its metadata, checked against their hash) are the run's per-window global
   mean loss and the reference's, at most 1e-10 apart.
 - What docs/loop.md says the anchors get wrong by default, each claim run here.
-
-examples/lm_loop.py is written against the loop API of issue 26 (``Step(model, loss,
-optimizer, data=...)``, ``loop.save(path, step)``); until that API is in, the tests that run
-the file are expected to fail (``NEEDS_API``, strict).
 """
 
 from __future__ import annotations
@@ -54,7 +50,6 @@ VERSIONS = {
 # model, the data and the loss, the same in every version, take 30 of them.
 GRADACCUM_LINES = 55
 SHARED = ("VOCAB", "TinyLM", "sequences", "pad", "token_loss")  # the same in every version
-NEEDS_API = pytest.mark.xfail(strict=True, reason="needs the loop API of issue 26")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
@@ -180,10 +175,10 @@ def test_the_page_shows_the_files_and_their_counts() -> None:
 
 EMPTY_LAST = (2, 81, "[21, 20]", 12)  # rank 1's last window of each epoch is empty
 CASES = [
-    pytest.param("gradaccum", 1, 81, "[41]", 22, marks=NEEDS_API, id="gradaccum-1-proc-81"),
-    pytest.param("gradaccum", *EMPTY_LAST, marks=NEEDS_API, id="gradaccum-2-proc-81"),
+    pytest.param("gradaccum", 1, 81, "[41]", 22, id="gradaccum-1-proc-81"),
+    pytest.param("gradaccum", *EMPTY_LAST, id="gradaccum-2-proc-81"),
     # The last windows short and uneven (3 and 2 micro-batches).
-    pytest.param("gradaccum", 2, 73, "[19, 18]", 10, marks=NEEDS_API, id="gradaccum-2-proc-73"),
+    pytest.param("gradaccum", 2, 73, "[19, 18]", 10, id="gradaccum-2-proc-73"),
     pytest.param("DDP + no_sync", 1, 81, "[41]", 22, id="DDP-1-proc-81"),
     pytest.param("DDP + no_sync", *EMPTY_LAST, id="DDP-2-proc-81"),
     pytest.param("Accelerate", *EMPTY_LAST, id="Accelerate-2-proc-81"),
@@ -255,7 +250,7 @@ def test_plot_draws_and_checks_the_curves(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [pytest.param("gradaccum", marks=NEEDS_API), "DDP + no_sync"])
+@pytest.mark.parametrize("version", [pytest.param("gradaccum"), "DDP + no_sync"])
 def test_check_job_under_torchrun(version, tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
     png = tmp_path / "loss.png"
@@ -268,9 +263,7 @@ def test_check_job_under_torchrun(version, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "version", [pytest.param("gradaccum", marks=NEEDS_API), "DDP + no_sync", "Accelerate"]
-)
+@pytest.mark.parametrize("version", [pytest.param("gradaccum"), "DDP + no_sync", "Accelerate"])
 def test_versions_run_as_a_reader_runs_them(version, tmp_path) -> None:
     """``python FILE`` (one process) and ``torchrun ... FILE`` (two), each in a directory of
     its own, where the run leaves its checkpoint."""

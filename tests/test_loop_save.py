@@ -833,7 +833,6 @@ def test_a_save_on_one_rank_returns_and_counts_itself() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason="Step carries _saves into its boundary (Step's branch)")
 def test_a_save_on_one_rank_fails_the_next_boundary_on_every_rank() -> None:
     r0, r1 = one_rank_saves()
     assert r0["apply"].startswith("GradAccumError: ")

@@ -34,12 +34,6 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 BEFORE_AFTER = "examples/before_after.py"
 
-# Remove once loop.Step takes the optimizer positionally and data= (issue 26's
-# loop API); examples/before_after.py is written against it.
-NEEDS_LOOP_API = pytest.mark.xfail(
-    strict=True, reason="needs the loop API of issue 26 (Step(model, loss, optimizer, data=...))"
-)
-
 
 def test_readme_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -70,7 +64,6 @@ def test_readme_leads_with_the_loop() -> None:
     assert home[:3] == [before.source, after.source, functional.source]
 
 
-@NEEDS_LOOP_API
 @pytest.mark.parametrize("rows", [96, 84])
 def test_before_after(rows: int) -> None:
     stdout = run_example("before_after.py", "--rows", str(rows))
