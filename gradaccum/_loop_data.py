@@ -396,6 +396,17 @@ class Windows(Generic[B]):
         if self._it is None and len(self._gens_now) == len(gens):
             for g, state in zip(gens, self._gens_now):
                 g.set_state(state)
+        persistent = workers_of(data) and getattr(data, "persistent_workers", False)
+        if (
+            persistent
+            and self._rng is not None  # the saved run had made the epoch's iterator
+            and not self._source.factory
+            and getattr(data, "_iterator", None) is None
+        ):
+            # Its next epoch reused those workers (drawing only the sampler's seed); start them
+            # here without moving the process's random states, so that this run does the same.
+            with under_rng(rng_states()):
+                iter(data)
 
     def _advance(self) -> None:
         self._window, self._in_window, self._taken = self._window + 1, 0, 0
@@ -558,8 +569,10 @@ class Windows(Generic[B]):
             if not self._fresh and getattr(data, "_iterator", None) is None:
                 # The saved run reused the workers of a persistent DataLoader, whose iterator
                 # then draws only the sampler's seed; a first iterator here would draw the
-                # workers' seed first. Start the workers outside the replay.
-                iter(data)
+                # workers' seed first. Start the workers outside the replay, and leave the
+                # process's random states as they were.
+                with under_rng(rng_states()):
+                    iter(data)
         self._read = 0
         with replaying(replay):
             self._it = iter(data)
@@ -628,7 +641,7 @@ class Windows(Generic[B]):
     def _state_of(self, data: Any, out: dict[str, Any]) -> None:
         """Put the position of data that keeps its own into ``out``."""
         read = self._read - self._win_start  # of the window in progress, taken or not
-        if self._it is not None and (self.prefetch or self._buffer) and read:
+        if self._it is not None and not self._closed and (self.prefetch or self._buffer) and read:
             if self._snapshot is None:  # pragma: no cover - taken before every window's read
                 raise RuntimeError(f"{self._where}: no state of the data at the window's start")
             out["loader"], out["window_rng"] = self._snapshot
