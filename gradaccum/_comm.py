@@ -47,6 +47,7 @@ __all__ = [
     "check_options",
     "check_timeout",
     "fill_tail",
+    "in_flight",
     "positive",
     "settle",
 ]
@@ -73,6 +74,12 @@ def all_reduce(
 # The collectives on CPU tensors that a Comm started and nobody has waited for yet, per process
 # group (weakly keyed: the entry goes with the group). Comm.drain() waits for them after a failure.
 _IN_FLIGHT: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+# The collectives that Comm.drain() waited out, kept until their group is freed (or the interpreter
+# clears this module), so that the last reference to each is dropped here, holding the GIL. Were
+# it the worker thread's, it would free the collective's tensors itself, and a tensor whose Python
+# object is gone takes the GIL to free it: during finalization CPython stops such a thread inside
+# the C++ destructor, and the process aborts ("terminate called without an active exception").
+_ABANDONED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def in_flight(group: Any) -> list[Any]:
@@ -130,7 +137,9 @@ class Comm:
     [`record_collectives()`][gradaccum.sync.record_collectives], started with the sync's
     timeout set on the collective itself, and a failure (a dead or late peer, a timeout) becomes
     a [`GradAccumError`][gradaccum.GradAccumError] that names the call, the collective and the
-    rank, and marks the group broken (the error path then does not wait on it again).
+    rank, and marks the group broken (the error path then does not wait on it again). Before
+    that error is raised, every other collective started on the group has ended
+    ([`drain()`][gradaccum.sync.Comm.drain]), so the caller may catch it and exit normally.
 
     Args:
         where: The call shape that failures are reported against (e.g.
@@ -157,6 +166,7 @@ class Comm:
         >>> comm = gradaccum.sync.Comm("my_sync", None, timeout=60)
         >>> t = torch.ones(3)
         >>> comm.wait(comm.all_reduce(t, "my bucket", "gradients"), "my bucket")
+        >>> comm.drain()  # what a failure does first: wait until nothing is in flight on the group
         >>> comm.rank, comm.world, t
         (0, 1, tensor([1., 1., 1.]))
         >>> comm.settle(comm.exchange(torch.device("cpu"), 5, False), "mean")
@@ -247,18 +257,23 @@ class Comm:
         """Wait until every CPU collective started on the group through a ``Comm`` has ended.
 
         Called when a collective failed, before its error is raised: the others are then
-        abandoned, but each still runs in a gloo worker thread until it completes or fails
-        (at most its own timeout after it starts; at once when the failure closed the peer's
+        abandoned, but each still runs in a gloo worker thread until it completes or fails (at
+        most its own timeout after it starts; at once when the failure closed the peer's
         connection, as a timeout or a dead peer does). Once they have ended, nothing of
-        gradaccum's runs in the backend, so the caller may catch the error, destroy the group
-        and let the interpreter exit normally. The group's ``abort()`` and ``shutdown()`` cannot
-        do this: the gloo backend's do nothing (up to torch 2.13 at least; torch 2.4 to 2.6 do
-        not have them), and this uses neither, so it is the same on every supported torch.
-        Collectives on accelerators are not kept (NCCL's own watchdog handles them).
+        gradaccum's runs in the backend, so the caller may catch the error, destroy the group and
+        let the interpreter exit normally. They stay referenced until the group is freed, so that
+        no worker thread frees them (which takes the GIL: fatal while the interpreter finalizes).
+
+        The group's ``abort()`` and ``shutdown()`` cannot do this: the gloo backend's do nothing
+        (up to torch 2.13 at least), and torch 2.4 to 2.6 do not have them. This uses neither,
+        so it is the same on every supported torch. Collectives on accelerators are not kept
+        (NCCL's own watchdog handles them).
         """
-        for work in _IN_FLIGHT.pop(self.group, ()):
+        works = _IN_FLIGHT.pop(self.group, [])
+        for work in works:
             with contextlib.suppress(RuntimeError):  # its failure is this error's, or a sequel
                 work.wait()  # no bound needed: the collective's own timeout ends it
+        _ABANDONED.setdefault(self.group, []).extend(works)  # see _ABANDONED: not freed here
 
     @contextlib.contextmanager
     def failing(self, what: str) -> Iterator[None]:

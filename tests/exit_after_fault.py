@@ -18,7 +18,7 @@ and returns: the interpreter finalizes and exits by itself (no ``os._exit``). Th
 in module globals, as in a script written top to bottom, so the sync (and through it the
 process group) lives until the interpreter finalizes: a gloo worker thread still inside an
 abandoned collective then aborted the process ("terminate called without an active exception"),
-in about half of the runs before gradaccum drained such collectives.
+in 8 of 10 runs before gradaccum drained such collectives.
 
 Each rank prints one line ``RESULT rank=R outcome=O window=W message=M`` for the test.
 """
