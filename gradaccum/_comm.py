@@ -7,6 +7,14 @@ collective left pending makes a late peer block in it); docs/sync.md ("A dead or
 has the user's side. On accelerators (NCCL) a collective past its own timeout makes the
 watchdog end the process, so there the timeout stays on ``Work.wait``, which NCCL honours.
 
+No collective outlives its failure. A gloo collective runs in one of the backend's worker threads
+until it completes or its own timeout fires, whether or not anyone still waits for it, and torch
+cannot stop it (the gloo backend's ``abort()`` and ``shutdown()`` do nothing, up to torch 2.13 at
+least). So the CPU collectives a ``Comm`` starts are kept until they are waited for, and when one
+fails every other one of the group is waited for to its end before the error is raised (see
+[`drain()`][gradaccum.sync.Comm.drain]): a worker thread that finishes one while the interpreter
+finalizes aborts the process ("terminate called without an active exception").
+
 [`Comm`][gradaccum.sync.Comm] writes each mechanism once for every sync. (All all-reduces go
 through the module function ``all_reduce``, which tests replace to watch them.)
 """
@@ -40,6 +48,7 @@ __all__ = [
     "check_options",
     "check_timeout",
     "fill_tail",
+    "in_flight",
     "positive",
     "settle",
 ]
@@ -61,6 +70,22 @@ def all_reduce(
     opts.reduceOp = op
     pg: Any = dist.group.WORLD if group is None else group
     return pg.allreduce([tensor], opts)
+
+
+# The collectives on CPU tensors that a Comm started and nobody has waited for yet, per process
+# group (weakly keyed: the entry goes with the group). Comm.drain() waits for them after a failure.
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+# The collectives that Comm.drain() waited out, kept until their group is freed (or the interpreter
+# clears this module), so that the last reference to each is dropped here, holding the GIL. Were
+# it the worker thread's, it would free the collective's tensors itself, and a tensor whose Python
+# object is gone takes the GIL to free it: during finalization CPython stops such a thread inside
+# the C++ destructor, and the process aborts ("terminate called without an active exception").
+_ABANDONED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def in_flight(group: Any) -> list[Any]:
+    """The CPU collectives started on ``group`` through a ``Comm`` and not yet waited for."""
+    return [w for w in _IN_FLIGHT.get(group, ()) if not w.is_completed()]
 
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
@@ -113,7 +138,9 @@ class Comm:
     [`record_collectives()`][gradaccum.sync.record_collectives], started with the sync's
     timeout set on the collective itself, and a failure (a dead or late peer, a timeout) becomes
     a [`GradAccumError`][gradaccum.GradAccumError] that names the call, the collective and the
-    rank, and marks the group broken (the error path then does not wait on it again).
+    rank, and marks the group broken (the error path then does not wait on it again). Before
+    that error is raised, every other collective started on the group has ended
+    ([`drain()`][gradaccum.sync.Comm.drain]), so the caller may catch it and exit normally.
 
     Args:
         where: The call shape that failures are reported against (e.g.
@@ -140,6 +167,7 @@ class Comm:
         >>> comm = gradaccum.sync.Comm("my_sync", None, timeout=60)
         >>> t = torch.ones(3)
         >>> comm.wait(comm.all_reduce(t, "my bucket", "gradients"), "my bucket")
+        >>> comm.drain()  # what a failure does first: wait until nothing is in flight on the group
         >>> comm.rank, comm.world, t
         (0, 1, tensor([1., 1., 1.]))
         >>> comm.settle(comm.exchange(torch.device("cpu"), 5, False), "mean")
@@ -182,7 +210,7 @@ class Comm:
         """Start an in-place sum (or ``op``) of ``tensor`` over the group."""
         record("all_reduce", self.group, tensor.dtype, tensor.numel(), purpose, self.dim)
         with self.failing(what):
-            return all_reduce(tensor, self.group, self.timeout, op)
+            return self.started(all_reduce(tensor, self.group, self.timeout, op), tensor)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start a sum of ``inp`` over the group, this rank's chunk of it into ``out``."""
@@ -190,14 +218,14 @@ class Comm:
         opts = _options(c10d.ReduceScatterOptions(), self.timeout, inp)
         opts.reduceOp = dist.ReduceOp.SUM
         with self.failing(what):
-            return self.group._reduce_scatter_base(out, inp, opts)
+            return self.started(self.group._reduce_scatter_base(out, inp, opts), inp)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start gathering every rank's ``inp`` into ``out``, in rank order."""
         record("all_gather", self.group, out.dtype, out.numel(), purpose, self.dim)
         opts = _options(c10d.AllgatherOptions(), self.timeout, inp)
         with self.failing(what):
-            return self.group._allgather_base(out, inp, opts)
+            return self.started(self.group._allgather_base(out, inp, opts), inp)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str, purpose: str) -> Any:
         """Start a broadcast of ``tensor`` from rank ``src``."""
@@ -205,7 +233,15 @@ class Comm:
         opts = _options(c10d.BroadcastOptions(), self.timeout, tensor)
         opts.rootRank, opts.rootTensor = src, 0
         with self.failing(what):
-            return self.group.broadcast([tensor], opts)
+            return self.started(self.group.broadcast([tensor], opts), tensor)
+
+    def started(self, work: Any, tensor: torch.Tensor) -> Any:
+        """Keep ``work``, a collective just started on ``tensor``, until it is waited for."""
+        if tensor.device.type == "cpu":  # a gloo worker thread runs it
+            works = _IN_FLIGHT.setdefault(self.group, [])
+            works[:] = [w for w in works if not w.is_completed()]  # waited for elsewhere
+            works.append(work)
+        return work
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
@@ -214,6 +250,31 @@ class Comm:
                 work.wait()
             else:  # the collective fails by itself after its timeout; this bound is a second line
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        works = _IN_FLIGHT.get(self.group)
+        if works:
+            works[:] = [w for w in works if w is not work]
+
+    def drain(self) -> None:
+        """Wait until every CPU collective started on the group through a ``Comm`` has ended.
+
+        Called when a collective failed, before its error is raised: the others are then
+        abandoned, but each still runs in a gloo worker thread until it completes or fails (at
+        most its own timeout after it starts; at once when the failure closed the peer's
+        connection, as a timeout or a dead peer does). Once they have ended, nothing of
+        gradaccum's runs in the backend, so the caller may catch the error, destroy the group and
+        let the interpreter exit normally. They stay referenced until the group is freed, so that
+        no worker thread frees them (which takes the GIL: fatal while the interpreter finalizes).
+
+        The group's ``abort()`` and ``shutdown()`` cannot do this: the gloo backend's do nothing
+        (up to torch 2.13 at least), and torch 2.4 to 2.6 do not have them. This uses neither,
+        so it is the same on every supported torch. Collectives on accelerators are not kept
+        (NCCL's own watchdog handles them).
+        """
+        works = _IN_FLIGHT.pop(self.group, [])
+        for work in works:
+            with contextlib.suppress(RuntimeError):  # its failure is this error's, or a sequel
+                work.wait()  # no bound needed: the collective's own timeout ends it
+        _ABANDONED.setdefault(self.group, []).extend(works)  # see _ABANDONED: not freed here
 
     @contextlib.contextmanager
     def failing(self, what: str) -> Iterator[None]:
@@ -224,8 +285,13 @@ class Comm:
             raise self.broken(what, err) from err
 
     def broken(self, what: str, err: Exception) -> GradAccumError:
-        """The error for a failed collective ``what``; the group is marked broken."""
+        """The error for a failed collective ``what``; the group is marked broken and drained.
+
+        Every other collective started on the group has ended when this returns
+        ([`drain()`][gradaccum.sync.Comm.drain]).
+        """
         mark_broken(self.group)
+        self.drain()
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
         cause = str(err).splitlines()[0] if str(err) else type(err).__name__
         return GradAccumError(

@@ -31,6 +31,7 @@ import os
 import pickle
 import queue
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -858,3 +859,143 @@ def test_a_checkpoint_saved_before_a_crash_resumes_as_if_nothing_happened(
         assert out["same final params"] is True, out
         if form == SAR:
             assert out["window gradient vs one process"] < 1e-12, out
+
+
+# -- a normal exit after a fault ------------------------------------------------------------------
+
+EXIT_SCRIPT = Path(__file__).with_name("exit_after_fault.py")
+EXIT_T, EXIT_STALL = 1.0, 3.0  # the script's sync timeout, and how long its rank 1 sleeps
+EXIT_DEADLINE = 120.0  # one launch (two fresh interpreters importing torch on a loaded machine)
+EXIT_RUNS = {"loop": 5, "accumulate": 2}
+
+
+def _exit_launch(form: str) -> list[tuple[int | None, str, str]]:
+    """Run ``exit_after_fault.py form`` as 2 ranks, as torchrun would; each rank's
+    ``(exit code, stdout, stderr)``. Bounded: what still runs at the deadline is killed."""
+    port = free_port()
+    root = str(Path(__file__).resolve().parents[1])
+    procs = []
+    for r in range(WORLD):
+        env = {
+            **os.environ,
+            "RANK": str(r),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "error",
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+            "T": str(EXIT_T),
+            "STALL": str(EXIT_STALL),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(EXIT_SCRIPT), form],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    end = time.monotonic() + EXIT_DEADLINE
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+            stderr += f"\nHUNG: still running {EXIT_DEADLINE:g} s after the launch (killed)"
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def _exit_problems(form: str, ranks: list[tuple[int | None, str, str]]) -> list[str]:
+    problems = []
+    for r, (code, stdout, stderr) in enumerate(ranks):
+        tail = "\n".join(stderr.splitlines()[-15:])
+        if code != 0:
+            name = signal.Signals(-code).name if code is not None and code < 0 else code
+            problems.append(f"rank {r} exited with {code} ({name}); stderr:\n{tail}")
+        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if len(results) != 1:
+            problems.append(f"rank {r} printed no result; stdout:\n{stdout}\nstderr:\n{tail}")
+            continue
+        fields = dict(f.split("=", 1) for f in results[0].split(" ", 4)[1:])
+        if fields["outcome"] != "GradAccumError" or fields["window"] != "1":
+            problems.append(f"rank {r} should raise GradAccumError in window 1: {results[0]}")
+        elif f"failed on rank {r}" not in fields["message"]:
+            problems.append(f"rank {r}: the error names no failed collective: {results[0]}")
+        if "terminate called" in stderr:
+            problems.append(f"rank {r}: {tail}")
+    return problems
+
+
+@pytest.mark.timeout(EXIT_DEADLINE * 5 + 60)
+@pytest.mark.parametrize("form", ["loop", "accumulate"])
+def test_a_script_that_catches_the_error_exits_normally(form: str) -> None:
+    """After a timed-out collective, a user script that catches ``GradAccumError``, destroys the
+    group and returns exits with code 0 through a normal interpreter exit, on both ranks: the
+    stalled rank too, which wakes to find its peer gone and raises. Every run, not most: before
+    the failed collective's group was drained, the ``loop`` form aborted (SIGABRT, "terminate
+    called without an active exception") in 8 of 10 runs."""
+    for run in range(EXIT_RUNS[form]):
+        problems = _exit_problems(form, _exit_launch(form))
+        assert not problems, f"run {run + 1} of {EXIT_RUNS[form]}:\n" + "\n".join(problems)
+
+
+class _Abandoned:
+    """A collective whose wait timed out but which still runs in the backend for ``left`` s (as
+    gloo's does until its own timeout), then fails; it records when it ended."""
+
+    def __init__(self, left: float, log: list[str], name: str) -> None:
+        self.end, self.log, self.name = time.monotonic() + left, log, name
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is not None and time.monotonic() + timeout.total_seconds() < self.end:
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        time.sleep(max(0.0, self.end - time.monotonic()))
+        self.log.append(f"{self.name} ended")
+        raise RuntimeError("Timed out waiting 100ms for recv operation to complete")
+
+
+@pytest.mark.parametrize("torch_has_abort", [True, False], ids=["torch", "torch<2.7"])
+def test_no_collective_outlives_the_error(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch, torch_has_abort: bool
+) -> None:
+    """In one process, with collectives that stand in for gloo's: when a wait times out, every
+    collective started on the group (the one waited for and the others in flight) has ended
+    before ``GradAccumError`` is raised, none is left in flight, and gradaccum still holds them
+    (their last reference must not be a gloo worker thread's). The drain uses no
+    ``abort()`` or ``shutdown()`` of the group (they do nothing on gloo), so it is the same on the
+    torch versions that lack them (2.4 to 2.6): simulated by deleting them."""
+    from gradaccum import _comm
+
+    if not torch_has_abort:
+        for cls in (dist.ProcessGroup, torch._C._distributed_c10d.Backend):
+            for name in ("abort", "shutdown"):
+                monkeypatch.delattr(cls, name)
+    log: list[str] = []
+    comm = gradaccum.sync.Comm("my_sync", None, timeout=0.05)
+    cpu = torch.zeros(1)
+    bucket1 = comm.started(_Abandoned(0.3, log, "bucket 1"), cpu)
+    bucket2 = comm.started(_Abandoned(0.4, log, "bucket 2"), cpu)
+    assert _comm.in_flight(comm.group) == [bucket1, bucket2]
+    with pytest.raises(gradaccum.GradAccumError) as info:
+        comm.wait(bucket1, "bucket 1")
+    log.append("raised")
+    assert log == ["bucket 1 ended", "bucket 2 ended", "raised"]
+    assert _comm.in_flight(comm.group) == []
+    # Still referenced until the group goes: the last reference is never a gloo worker's.
+    assert _comm._ABANDONED[comm.group] == [bucket1, bucket2]
+    assert str(info.value) == (
+        "my_sync: bucket 1 failed on rank 0: Operation timed out!. A peer process died, failed "
+        "before the boundary, or did not reach it in time (timeout: 0.05 s); every rank must "
+        "call the accumulated function the same number of times. The process group cannot be "
+        "reused: destroy it and restart from a checkpoint."
+    )
