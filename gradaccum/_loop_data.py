@@ -188,10 +188,12 @@ class Windows(Generic[B]):
     def _agree(self) -> tuple[int, int] | None:
         """The epoch's agreement: ``(longest, shortest)`` over the ranks, ``None`` without len().
 
-        One all-reduce (MAX) of ``[failed, sized, -sized, sizes, -sizes, epochs, -epochs,
-        length, -length]``: a rank whose data raised while it was made or measured, ranks that
-        disagree on the window sizes, the epochs or whether the data has a length, make every
-        rank raise (the failing rank its own error) before any window is yielded.
+        One all-reduce (MAX) of ``[failed, epoch, -epoch, window, -window, sized, -sized, sizes,
+        -sizes, epochs, -epochs, length, -length]`` (``window``: the one the loop is at): a
+        rank whose data raised while it was made or measured, ranks at another place in the
+        data (resumed from different checkpoints), or that disagree on the window sizes, the
+        epochs or whether the data has a length, make every rank raise (the failing rank its
+        own error) before any window is yielded.
         """
         if self._agreed is not None and self._agreed[0] == self._epoch:
             return self._agreed[1]
@@ -206,7 +208,8 @@ class Windows(Generic[B]):
             failed = err
         sized, length = int(mine is not None), mine or 0
         epochs = -1 if self.epochs is None else self.epochs
-        values = [int(failed is not None), sized, -sized, signature, -signature]
+        at = [self._epoch, -self._epoch, self._window, -self._window]
+        values = [int(failed is not None), *at, sized, -sized, signature, -signature]
         values += [epochs, -epochs, length, -length]
         if self._agreement is not None:
             values = self._agreement.max(values, "data lengths")
@@ -220,17 +223,26 @@ class Windows(Generic[B]):
                 f"epoch {self._epoch} (this rank did not); no window is yielded on any rank. "
                 f"The cause is in the failing rank's traceback."
             )
+        if values[1] != -values[2] or values[3] != -values[4]:
+            raise GradAccumError(
+                f"{where}: the ranks are at different places in the data: this rank is at "
+                f"window {self._window} of epoch {self._epoch}, the ranks' epochs range from "
+                f"{-values[2]} to {values[1]} and their windows from {-values[4]} to "
+                f"{values[3]}; resume every rank from the same checkpoint (gradaccum.loop.load "
+                f"on every rank), and take the windows the same way on every rank. Nothing "
+                f"was yielded."
+            )
         for k, what, fix in (
-            (1, "whether the data has a len()", "give every rank data of the same kind"),
-            (3, "the windows' sizes (n)", "pass the same n (or schedule) on every rank"),
-            (5, "epochs", "pass the same epochs= on every rank"),
+            (5, "whether the data has a len()", "give every rank data of the same kind"),
+            (7, "the windows' sizes (n)", "pass the same n (or schedule) on every rank"),
+            (9, "epochs", "pass the same epochs= on every rank"),
         ):
             if values[k] != -values[k + 1]:
                 raise GradAccumError(
                     f"{where}: the ranks disagree on {what} (epoch {self._epoch}): "
                     f"{self._disagreement(k, values)}; {fix}. Nothing was yielded."
                 )
-        lengths = None if mine is None else (values[7], -values[8])
+        lengths = None if mine is None else (values[11], -values[12])
         if lengths is not None:
             if self._planned is None:
                 self._planned = lengths[0]
@@ -246,9 +258,9 @@ class Windows(Generic[B]):
 
     def _disagreement(self, k: int, values: list[int]) -> str:
         """How the ``k``-th agreed value differs over the ranks, in the user's terms."""
-        if k == 1:
+        if k == 5:
             return "some ranks' data has a len(), others' has none"
-        if k == 3:
+        if k == 7:
             mine = self._sizes(self._epoch_window)
             return f"this rank's windows hold {mine} micro-batches, another rank's differ"
         low, high = ("None" if v < 0 else str(v) for v in (-values[k + 1], values[k]))
@@ -257,11 +269,13 @@ class Windows(Generic[B]):
     def _any(self, has: bool, failed: bool) -> bool:
         """Whether any rank has micro-batches left (data without len(): once per window).
 
-        One all-reduce (MAX) of ``[failed, has]``; raises on every rank if a rank's data raised.
+        One all-reduce (MAX) of ``[failed, window, -window, has]``; raises on every rank if a
+        rank's data raised, or the ranks are at different windows.
         """
         if self._agreement is None:
             return has
-        values = self._agreement.max([int(failed), int(has)], "data left")
+        at = [self._window, -self._window]
+        values = self._agreement.max([int(failed), *at, int(has)], "data left")
         if values[0] and not failed:
             self._broken = f"another rank's data raised before window {self._window}"
             raise GradAccumError(
@@ -269,7 +283,14 @@ class Windows(Generic[B]):
                 f"window {self._window} (this rank did not); no window is yielded on any rank. "
                 f"The cause is in the failing rank's traceback."
             )
-        return bool(values[1])
+        if values[1] != -values[2]:
+            raise GradAccumError(
+                f"{self._where}: the ranks are at different windows: this rank is before "
+                f"window {self._window}, the ranks' range from {-values[2]} to {values[1]}; "
+                f"resume every rank from the same checkpoint (gradaccum.loop.load on every "
+                f"rank), and take the windows the same way on every rank. Nothing was yielded."
+            )
+        return bool(values[3])
 
     # -- iterating -------------------------------------------------------------------------------
 

@@ -32,8 +32,9 @@ def windows(
     Windows never span two epochs.
 
     Under a sync, the ranks agree on the windows. Each epoch starts with one tiny all-reduce
-    (9 integers, logged by [`record_collectives()`][gradaccum.sync.record_collectives] as
-    ``"data lengths"``, bounded by ``timeout``) of a failure flag, whether the data has a
+    (13 integers, logged by [`record_collectives()`][gradaccum.sync.record_collectives] as
+    ``"data lengths"``, bounded by ``timeout``) of a failure flag, the position (the epoch and the
+    window the loop is at), whether the data has a
     ``len()``, the window sizes, ``epochs`` and the ranks' ``len(data)``: ranks built
     differently (another ``n`` or ``epochs``, data with a length against data without), or a
     rank whose data raised while it was made, make every rank raise
@@ -44,7 +45,7 @@ def windows(
     is the total of all epochs, the same on every rank (the progress total).
 
     Data without ``len()`` (a generator, an ``IterableDataset``) is also agreed per window: one
-    16-byte all-reduce before each window (a failure flag, and whether the rank has
+    32-byte all-reduce before each window (a failure flag, the window, and whether the rank has
     micro-batches left), and ``len()`` raises ``TypeError`` on every rank. Without a sync
     nothing is communicated. When reading a micro-batch raises on one rank inside a window, the
     [`Step`][gradaccum.loop.Step] fed by these windows (``Step(..., data=...)``) joins its

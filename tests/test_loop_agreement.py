@@ -162,3 +162,41 @@ def test_the_windows_refuse_to_go_on_after_a_data_error() -> None:
         "(gradaccum.loop.load) in a new run."
     )
     assert r1.startswith("windows(data, n=2): the windows cannot go on: the data raised OSError")
+
+
+def _different_places(rank: int, world: int, sized: bool) -> dict[str, Any]:
+    def make() -> Any:
+        return windows(list(range(8)) if sized else Unsized(8), 2, sync=gradaccum.all_reduce())
+
+    data = make()
+    if rank == 1:  # resumed from another checkpoint: one window further
+        ahead = windows(list(range(8)), 2)
+        loop = iter(ahead)
+        list(next(loop))
+        next(loop)
+        position = ahead.state_dict()
+        if not sized:
+            position["identity"] = {"kind": "Unsized"}
+        data.load_state_dict(position)
+    started = time.monotonic()
+    try:
+        got = [list(w) for w in data]
+    except gradaccum.GradAccumError as err:
+        return {"message": str(err), "seconds": time.monotonic() - started}
+    return {"message": None, "got": got}
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "without-len"])
+def test_ranks_at_different_places_all_raise(sized: bool) -> None:
+    """Ranks resumed from different checkpoints raise before any window (they paired windows
+    of different indices silently when the agreement did not carry the position)."""
+    r0, r1 = dist.values(dist.run(_different_places, sized, timeout=120))
+    for got in (r0, r1):
+        assert got["message"] is not None, got
+        assert got["seconds"] < 20
+        assert "the ranks are at different places in the data" in got["message"]
+    expected = (
+        "this rank is at window 0 of epoch 0, the ranks' epochs range from 0 to 0 and their "
+        "windows from 0 to 1"
+    )
+    assert expected in r0["message"]

@@ -191,7 +191,7 @@ class Agreed:
     def max(self, values: list[int], purpose: str) -> list[int]:
         """This rank's values, with the lengths of every rank (the rest agree by construction)."""
         assert purpose == "data lengths"
-        return [*values[:7], max(self.lengths), -min(self.lengths)]
+        return [*values[:-2], max(self.lengths), -min(self.lengths)]
 
 
 schedules = st.one_of(
@@ -378,16 +378,16 @@ def test_ranks_agree_on_the_windows(sized: bool) -> None:
         assert r0["total"] == r1["total"] == 12
         assert [len(mb) for *_, mb in r1["got"]] == [4, 4, 4, 4, 4, 0] * 2
         assert [len(mb) for *_, mb in r0["got"]] == [4, 4, 4, 4, 4, 1] * 2
-        # One tiny all-reduce per epoch (a failure flag, the kind of data, the window sizes,
-        # the epochs, the lengths: 9 int64), and nothing else.
-        assert r0["log"] == [("all_reduce", "data lengths", 72)] * 2
+        # One tiny all-reduce per epoch (a failure flag, the position, the kind of data, the
+        # window sizes, the epochs, the lengths: 13 int64), and nothing else.
+        assert r0["log"] == [("all_reduce", "data lengths", 104)] * 2
     else:
         assert [len(mb) for *_, mb in r1["got"]] == [4, 4, 4, 4, 4, 0]
-        # The epoch's agreement, then one 16-byte all-reduce per window (a failure flag, data
-        # left), and one that finds the data over.
+        # The epoch's agreement, then one 32-byte all-reduce per window (a failure flag, the
+        # window, data left), and one that finds the data over.
         assert (
             r0["log"]
-            == [("all_reduce", "data lengths", 72)] + [("all_reduce", "data left", 16)] * 7
+            == [("all_reduce", "data lengths", 104)] + [("all_reduce", "data left", 32)] * 7
         )
 
 
