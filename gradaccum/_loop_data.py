@@ -49,6 +49,7 @@ from ._loop_source import (
     identity,
     length_of,
     rng_states,
+    run_token,
     stateful,
     under_rng,
     workers_of,
@@ -108,6 +109,8 @@ class Windows(Generic[B]):
         self.data, self.sync, self.n, self.epochs, self.prefetch = data, sync, n, epochs, prefetch
         self._source = Source(where, data)
         self._agreement = None if found is None else Agreement(where, found, timeout)
+        if found is not None:
+            run_token()  # the checkpoints' run token, read while every rank is surely there
         # Called with the error when reading a micro-batch raises where the other ranks' next
         # collective is the boundary of the step fed by these windows (loop.Step(data=...)).
         self._on_error: list[Callable[[BaseException], None]] = []

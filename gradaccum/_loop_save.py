@@ -11,14 +11,11 @@ hang: it returns once this rank's files are written, and counts itself in ``step
 which the step carries into its boundary (every rank raises there when the counts differ).
 
 The save's identity. Every file of one save carries ``(run, count)``: ``run`` is a token of the
-run, the same on every rank without a collective, and ``count`` the number of saves this process
-made in that run, which is the same on every rank because every rank saves at the same points
-(a save reached by only some ranks fails the next boundary). Under ``torch.distributed`` the
-token is first-writer-wins in the process group's store (``compare_set`` on the default store,
-the key taken by the first rank that saves, with torchrun's restart count in it: no rank waits
-for another, and a new process group has a new store); in one process it is a random number
-drawn once (from the OS, no random state is used). Files of two runs, or of two saves of one
-run, never share it.
+run, the same on every rank without a collective (``_loop_source.run_token``: first-writer-wins
+in the process group's store, read when the ``Step`` or the windows are built), and ``count``
+the number of saves this process made in that run, which is the same on every rank because
+every rank saves at the same points (a save reached by only some ranks fails the next
+boundary). Files of two runs, or of two saves of one run, never share it.
 
 ``load`` is all or nothing, on every rank. Under a sync it agrees twice through
 [`Comm`][gradaccum.sync.Comm] (one tiny all-reduce each, bounded by the sync's timeout): once
@@ -34,20 +31,18 @@ Without a sync nothing is communicated.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from . import _loop_state
 from ._errors import GradAccumError, describe
 from ._loop_data import Windows
 from ._loop_plan import Agreement, data_axes
-from ._loop_source import rng_states, set_rng_states
+from ._loop_source import rng_states, run_token, set_rng_states
 from ._loop_step import FORMAT as STEP_FORMAT
 from ._loop_step import Step
 
@@ -55,8 +50,6 @@ __all__ = ["load", "save"]
 
 FORMAT = "gradaccum.loop.checkpoint/2"
 OLDER = {"gradaccum.loop.checkpoint/1": "before checkpoints carried a save identity"}
-RUN_KEY = "gradaccum.loop.run"
-_local_run: int | None = None
 _counts: dict[int, int] = {}  # this process's saves, per run token
 
 
@@ -111,18 +104,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _run() -> int:
-    """This run's token: the same on every rank, with no collective (see the module notes)."""
-    global _local_run
-    if not (dist.is_available() and dist.is_initialized()):
-        if _local_run is None:
-            _local_run = secrets.randbits(62) + 1
-        return _local_run
-    key = f"{RUN_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store = c10d._get_default_store()
-    return int(store.compare_set(key, "", str(secrets.randbits(62) + 1)))
 
 
 def check_rng_state(where: str, saved: Any) -> None:
@@ -238,7 +219,7 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
             own["step"] = {"accumulator": part.pop("accumulator")}
             shared = {"format": FORMAT, "world": world, "step": part}
     own["rng"] = rng_states()
-    run = _run()
+    run = run_token()
     _counts[run] = count = _counts.get(run, 0) + 1
     own["save"] = [run, count]
     folder.mkdir(parents=True, exist_ok=True)

@@ -18,12 +18,17 @@ without reading it:
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import secrets
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ._errors import describe
 
@@ -34,6 +39,7 @@ __all__ = [
     "is_factory",
     "length_of",
     "rng_states",
+    "run_token",
     "set_rng_states",
     "stateful",
     "under_rng",
@@ -143,6 +149,34 @@ def under_rng(saved: dict[str, Any] | None) -> Iterator[None]:
         yield
     finally:
         set_rng_states(current)
+
+
+RUN_KEY = "gradaccum.loop.run"
+_RUNS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+_LOCAL_RUN: list[int] = []
+
+
+def run_token() -> int:
+    """This run's token, the same on every rank without a collective (a checkpoint's identity).
+
+    Under ``torch.distributed``, first-writer-wins in the process group's store
+    (``compare_set`` on the default store, the key holding torchrun's restart count: no rank
+    waits for another, and a new process group has a new store), read once per store and kept:
+    ``Step`` and ``windows()`` under a sync read it when they are built, while every rank (and
+    the store, which rank 0 may host) is certainly there. In one process it is a random number
+    drawn once, from the OS (no random state is used).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if not _LOCAL_RUN:
+            _LOCAL_RUN.append(secrets.randbits(62) + 1)
+        return _LOCAL_RUN[0]
+    store = c10d._get_default_store()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    known = _RUNS.setdefault(store, {})
+    if restart not in known:
+        key = f"{RUN_KEY}/{restart}"
+        known[restart] = int(store.compare_set(key, "", str(secrets.randbits(62) + 1)))
+    return known[restart]
 
 
 def _same(a: Any, b: Any) -> bool:

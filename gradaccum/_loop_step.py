@@ -32,6 +32,7 @@ from ._boundary import clip_by_global_norm
 from ._comm import positive
 from ._errors import GradAccumError, describe
 from ._loop_data import Windows
+from ._loop_source import run_token
 from ._state import Accumulator
 from ._window import check_sync
 
@@ -289,6 +290,8 @@ class Step:
         self.model, self.loss, self.optimizer, self.scheduler = model, loss, optimizer, scheduler
         self.clip, self.reduction, self.sync, self.data = clip, reduction, sync, data
         self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
+        if sync is not None:
+            run_token()  # the checkpoints' run token, read while every rank is surely there
         self._plateau = scheduler is not None and _takes_metric(scheduler)
         self._saves = 0  # loop.save calls since the last boundary (carried in its exchange)
         self._since: float | None = None
