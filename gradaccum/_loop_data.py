@@ -753,14 +753,17 @@ class Windows(Generic[B]):
             )
         data = self._source.of(sd["epoch"])
         now = identity(data)
-        for key, saved in sd["identity"].items():
-            if now.get(key) != saved:
-                raise GradAccumError(
-                    f"{where}: the data is not the checkpoint's: its {key} is "
-                    f"{describe(now.get(key))}, the checkpoint's {describe(saved)}; resume with "
-                    f"the data of the run that saved (a changed dataset, batch size or sampler "
-                    f"would give other micro-batches without any error)."
-                )
+        differ = [
+            f"its {key} is {describe(now.get(key))}, the checkpoint's {describe(saved)}"
+            for key, saved in sd["identity"].items()
+            if now.get(key) != saved
+        ]
+        if differ:  # every difference named: a changed batch size changes the length too
+            raise GradAccumError(
+                f"{where}: the data is not the checkpoint's: {', and '.join(differ)}; resume "
+                f"with the data of the run that saved (a changed dataset, batch size or sampler "
+                f"would give other micro-batches without any error)."
+            )
         if (sd["loader"] is not None) != stateful(data):
             raise GradAccumError(
                 f"{where}: the checkpoint was saved from data that "

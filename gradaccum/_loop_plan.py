@@ -70,7 +70,10 @@ def check_args(where: str, data: Any, n: Any, epochs: Any, prefetch: Any, timeou
             f"iterated again (a DataLoader, a list, a class with __iter__), or epochs=1."
         )
     if not isinstance(prefetch, bool):
-        raise TypeError(f"{where}: prefetch must be a bool, got {describe(prefetch)}.")
+        raise TypeError(
+            f"{where}: prefetch must be a bool, got {describe(prefetch)}; pass prefetch=True or "
+            f"prefetch=False."
+        )
     check_timeout(where, timeout)
 
 

@@ -82,7 +82,10 @@ def _folder(where: str, path: Any) -> Path:
 def _check(where: str, step: Any, data: Any) -> Any:
     """Validate ``step`` and ``data``; return the data (the step's when not given)."""
     if step is not None and not isinstance(step, Step):
-        raise TypeError(f"{where}: step must be a gradaccum.loop.Step, got {describe(step)}.")
+        raise TypeError(
+            f"{where}: step must be a gradaccum.loop.Step, got {describe(step)}; pass the "
+            f"Step that trains the model (gradaccum.loop.Step(model, loss, optimizer))."
+        )
     own = getattr(step, "data", None)
     if data is None:
         data = own
@@ -95,7 +98,8 @@ def _check(where: str, step: Any, data: Any) -> Any:
         raise ValueError(f"{where}: step and data are both None; pass a step, data= or both.")
     if data is not None and not isinstance(data, Windows):
         raise TypeError(
-            f"{where}: data must be what gradaccum.loop.windows() returned, got {describe(data)}."
+            f"{where}: data must be what gradaccum.loop.windows() returned, got {describe(data)}; "
+            f"pass data=gradaccum.loop.windows(loader, n)."
         )
     return data
 
@@ -433,7 +437,8 @@ def load(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
         if got[0] and not failed:
             refusal = (
                 f"{where}: rank {world - got[1]} refused the checkpoint in {folder} (its error "
-                f"says why), so no rank loads it; nothing was changed on this rank."
+                f"says why), so no rank loads it; nothing was changed on this rank. Fix what "
+                f"rank {world - got[1]}'s error names, or resume from another checkpoint."
             )
         elif not failed and got[2] != -got[4]:
             refusal = (

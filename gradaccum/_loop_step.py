@@ -241,7 +241,8 @@ class Step:
             )
         if not callable(loss):
             raise TypeError(
-                f"{where}: loss must be a function loss(model, batch), got {describe(loss)}."
+                f"{where}: loss must be a function loss(model, batch), got {describe(loss)}; "
+                f"pass e.g. lambda model, batch: F.mse_loss(model(batch[0]), batch[1])."
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(

@@ -999,3 +999,236 @@ def test_no_collective_outlives_the_error(
         "call the accumulated function the same number of times. The process group cannot be "
         "reused: destroy it and restart from a checkpoint."
     )
+
+
+# == the loop: faults inside gradaccum.loop (issue 26) ===========================================
+# Added after the sections above, which it does not change. On 2 gloo ranks (the launcher above,
+# with its lingering, its time marks and its exit codes), a job written as docs/loop.md writes it
+# (``windows`` and ``Step`` under ``all_reduce(timeout=T)``, ``loop.save`` / ``loop.load``) meets
+# one fault on rank FAULTY in window 1:
+#
+# - ``data``: its loader raises while reading a micro-batch inside the window;
+# - ``loss``: its loss function raises on a micro-batch of the window;
+# - ``save``: it alone calls ``loop.save`` in the window (a save the other rank does not reach);
+# - ``load``: its file of a checkpoint that both ranks saved is cut short, and both load it;
+# - ``stalled``: its loader sleeps STALL seconds (past T) inside the window.
+#
+# Every rank must end in an error (the faulty one in its own where it raised one), within
+# T + 5 s of the fault on a clock the ranks share (the process group's timeout is PG_TIMEOUT, so a
+# wait that falls back on it fails the bound), in window 1, with nothing of the window applied:
+# the parameters and the optimizer state are those of the window's start (for ``load``: those of
+# before the load, with the data position).
+
+from gradaccum import loop  # noqa: E402 - this section's own import
+
+LOOP_FAULTS = ("data", "loss", "save", "load", "stalled")
+LOOP_KEY_WORDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "data": {"survivor": ("Step.apply()", *OTHER_FAILED), "faulty": ("injected on rank 1",)},
+    "loss": {"survivor": ("Step.apply()", *OTHER_FAILED), "faulty": ("injected on rank 1",)},
+    "save": {
+        "both": ("Step.apply()", "called gradaccum.loop.save a different number of times"),
+    },
+    "load": {
+        "survivor": ("gradaccum.loop.load(", "rank 1 refused the checkpoint"),
+        "faulty": ("gradaccum.loop.load(", "cannot be read by torch.load"),
+    },
+    "stalled": {"survivor": ("Step.apply()", "failed on rank 0", *PEER_GONE), "faulty": PEER_GONE},
+}
+
+
+class _LoopLoader:
+    """This rank's micro-batches of the WINDOWS windows (a ``len()``); on rank FAULTY, reading
+    the 2nd micro-batch of window 1 raises (``data``) or sleeps STALL seconds (``stalled``)."""
+
+    def __init__(self, rank: int, fault: str, folder: str) -> None:
+        self.rank, self.fault, self.folder = rank, fault, folder
+        self.items = [mb for w in range(WINDOWS) for mb in _micro_batches(w, rank)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i, batch in enumerate(self.items):
+            if self.rank == FAULTY and i == N + 1 and self.fault in ("data", "stalled"):
+                _mark(self.folder, "inject")
+                if self.fault == "data":
+                    raise InjectedFault(f"injected on rank {self.rank}: reading micro-batch {i}")
+                time.sleep(STALL)
+                _mark(self.folder, "wake")
+            yield batch
+
+
+def _loop_mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+
+
+class _LoopJob:
+    """One rank's model, AdamW, windows and Step; what it holds at a window's start."""
+
+    def __init__(self, rank: int, fault: str, folder: str) -> None:
+        self.rank, self.fault, self.folder = rank, fault, folder
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(D_IN, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        ).double()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.05, weight_decay=0.1)
+        sync = gradaccum.all_reduce(timeout=T)
+        self.data = loop.windows(_LoopLoader(rank, fault, folder), N, sync=sync)
+        self.step = loop.Step(self.model, self.loss, self.opt, data=self.data)
+        self.calls = 0
+        self.window = -1
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        self.calls += 1
+        if self.fault == "loss" and self.rank == FAULTY and self.calls == N + 2:
+            _mark(self.folder, "inject")
+            raise InjectedFault(f"injected on rank {self.rank}: the loss of micro-batch {N + 1}")
+        return _loop_mse(model, batch)
+
+    def held(self) -> Any:
+        """The parameters and the optimizer state, copied."""
+        params = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+        state = {(id(p), k): v.clone() for p, s in self.opt.state.items() for k, v in s.items()}
+        return params, state
+
+    def run(self, path: str | None = None, save_at: int | None = None) -> None:
+        """The loop of docs/loop.md; ``self.start``: what the model held when the window began.
+
+        With ``save_at``: save there (the rank-independent idiom) and stop.
+        """
+        for window in self.data:
+            self.window, self.start = window.index, self.held()
+            _mark(self.folder, f"start-{self.rank}-{window.index}")
+            for batch in window:
+                self.step.add(batch)
+                if self.fault == "save" and self.rank == FAULTY and window.index == 1:
+                    if self.step.micro_step == 1:  # a save that only this rank reaches
+                        _mark(self.folder, "inject")
+                        loop.save(os.path.join(self.folder, "saved-alone"), self.step)
+            if window.index == save_at:
+                assert path is not None
+                loop.save(path, self.step)
+                return
+            self.step.apply()
+
+
+def _same_held(a: Any, b: Any) -> bool:
+    (pa, sa), (pb, sb) = a, b
+    return (
+        pa.keys() == pb.keys()
+        and all(torch.equal(pa[k], pb[k]) for k in pa)
+        and sa.keys() == sb.keys()
+        and all(torch.equal(sa[k], sb[k]) for k in sa)
+    )
+
+
+def _same_position(a: Any, b: Any) -> bool:
+    """Two data positions (``Windows.state_dict()``) are the same, tensors bit for bit."""
+    import optree
+
+    la, sa = optree.tree_flatten(a, none_is_leaf=True)
+    lb, sb = optree.tree_flatten(b, none_is_leaf=True)
+    return sa == sb and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def _loop_fault_worker(rank: int, fault: str, folder: str) -> dict[str, Any]:
+    """Run the fault's job on this rank; how it ended, when, in which window, what it changed."""
+    out: dict[str, Any] = {}
+    job = _LoopJob(rank, fault, folder)
+    try:
+        if fault == "load":
+            path = os.path.join(folder, "ckpt")
+            job.run(path, save_at=1)  # both ranks save window 1's running sums
+            dist.barrier()
+            if rank == FAULTY:
+                file = Path(path, f"rank{rank}.pt")
+                file.write_bytes(file.read_bytes()[:200])  # a copy that did not finish
+            dist.barrier()
+            job = _LoopJob(rank, fault, folder)  # the resumed run, before its load
+            job.window, job.start = 1, job.held()
+            position = job.data.state_dict()
+            if rank == FAULTY:
+                _mark(folder, "inject")
+            loop.load(path, job.step)
+        else:
+            job.run()
+        out["outcome"] = "returned"
+    except BaseException as err:  # noqa: BLE001 - reported, with its time
+        out.update(outcome=type(err).__name__, message=str(err), traceback=traceback.format_exc())
+    out["at"] = time.time()
+    out["window"] = job.window
+    out["unchanged"] = _same_held(job.held(), job.start)
+    if fault == "load":
+        out["unchanged"] = out["unchanged"] and _same_position(job.data.state_dict(), position)
+    _mark(folder, f"done-{rank}")
+    _linger(folder, rank)
+    return out
+
+
+def _loop_problems(fault: str, run: Launch, folder: str) -> list[str]:
+    problems: list[str] = []
+    for r in range(WORLD):
+        role = "faulty" if r == FAULTY else "survivor"
+        tail = "\n".join(run.stderr[r].splitlines()[-30:])
+        if r in run.hung:
+            problems.append(f"rank {r} ({role}) HUNG past {LAUNCH_DEADLINE:g} s:\n{tail}")
+            continue
+        if r not in run.results:
+            problems.append(f"rank {r} ({role}) died: exit {run.exitcodes[r]}\n{tail}")
+            continue
+        status, *rest = run.results[r]
+        if status != "ok":
+            problems.append(f"rank {r}: worker error {rest[0]}: {rest[1]}\n{rest[2]}")
+            continue
+        got = rest[0]
+        injected = fault in ("data", "loss") and role == "faulty"
+        expected = "InjectedFault" if injected else "GradAccumError"
+        if got["outcome"] != expected:
+            problems.append(
+                f"rank {r} ({role}) should raise {expected}, got {got['outcome']}: "
+                f"{got.get('message')}"
+            )
+            continue
+        words = LOOP_KEY_WORDS[fault].get(role) or LOOP_KEY_WORDS[fault]["both"]
+        missing = [w for w in words if w not in got["message"]]
+        if missing:
+            problems.append(f"rank {r}: the message lacks {missing}: {got['message']}")
+        if got["window"] != 1:
+            problems.append(f"rank {r} raised in window {got['window']}, not 1: {got['message']}")
+        if not got["unchanged"]:
+            problems.append(
+                f"rank {r} ({role}) raised, but the failed window (or load) changed its "
+                f"parameters, optimizer state or data position: {got['message']}"
+            )
+        since = "wake" if fault == "stalled" and role == "faulty" else "inject"
+        ref = _read(folder, since)
+        if ref is None:
+            problems.append(f"rank {r}: no {since} mark (the fault never happened)")
+            continue
+        seconds = got["at"] - ref
+        if seconds > BOUND:
+            problems.append(
+                f"rank {r} ({role}) took {seconds:.2f} s from the {since} to its error (bound "
+                f"T + 5 = {BOUND:g} s; the group's timeout is {PG_TIMEOUT:g} s)"
+            )
+    return problems
+
+
+@pytest.mark.parametrize("fault", LOOP_FAULTS)
+def test_a_fault_in_the_loop_ends_in_an_error_on_every_rank(fault: str, faults_dir: Path) -> None:
+    """A loop job (``windows`` + ``Step``) whose rank 1 fails in window 1 (its data, its loss, a
+    save it alone makes, a load of its damaged file, a stall past the timeout): every rank
+    raises within T + 5 s, and no rank applied any of the window (or of the load)."""
+    folder = faults_dir / f"loop-{fault}"
+    folder.mkdir()
+    run = launch(_loop_fault_worker, fault, str(folder), folder=str(folder))
+    problems = _loop_problems(fault, run, str(folder))
+    summary = "; ".join(
+        f"rank {r}: {run.results[r][1]['outcome'] if run.results.get(r, ('',))[0] == 'ok' else '?'}"
+        for r in range(WORLD)
+    )
+    assert not problems, f"loop-{fault}: {summary}\n" + "\n".join(problems)

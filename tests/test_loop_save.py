@@ -530,7 +530,8 @@ def test_save_counts_itself_and_checks_its_arguments(tmp_path, monkeypatch) -> N
         save(tmp_path)
     with raises(
         TypeError,
-        f"{SAVE}: step must be a gradaccum.loop.Step, got Sequential.",
+        f"{SAVE}: step must be a gradaccum.loop.Step, got Sequential; pass the Step that trains "
+        f"the model (gradaccum.loop.Step(model, loss, optimizer)).",
     ):
         save(tmp_path, step.model)
     # data defaults to the step's (Step(..., data=)); another is refused.
@@ -747,7 +748,8 @@ def test_two_runs_never_mix_and_a_refusal_is_every_ranks(tmp_path) -> None:
         return (
             "GradAccumError",
             f"{LOAD}: rank 1 refused the checkpoint in {tmp_path / name} (its error says why), "
-            f"so no rank loads it; nothing was changed on this rank.",
+            f"so no rank loads it; nothing was changed on this rank. Fix what rank 1's error "
+            f"names, or resume from another checkpoint.",
         )
 
     for name in ("runs-step", "saves-step"):

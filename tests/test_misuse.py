@@ -11,19 +11,26 @@ all and checks, for each:
   ``.grad`` and buffers, optimizer state, state dicts, shards) is bit-identical afterwards, and
   the containers hold the same keys.
 
-The full text of the messages is pinned in test_errors.py; this file is about coverage. Cases
-tagged ``item=N`` are the bad inputs of the reliability issue (item N of its list); the others
-existed before it. Distributed paths run in a world of one process (gloo, a HashStore).
+The full text of the messages is pinned in test_errors.py (the loop's in tests/test_loop_*.py);
+this file is about coverage. Cases tagged ``item=N`` are the bad inputs of the reliability issue
+(item N of its list), ``item="loop"`` those of ``gradaccum.loop`` (issue 26: windows, Step,
+save and load, where "unchanged" covers the step's window, the data position and the files of a
+checkpoint directory); the others existed before them. Distributed paths run in a world of one
+process (gloo, a HashStore).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,7 +56,8 @@ class Case:
 
     ``names``: words the message must contain; a tuple among them means any one of its words.
     ``world``: run inside a gloo process group of one rank. ``item``: the reliability issue's
-    item number for the bad inputs it added (None: an error that existed before it).
+    item number for the bad inputs it added, ``"loop"`` for the loop's (None: an error that
+    existed before them).
     ``absent``: words the message must not contain (a misleading phrase).
     """
 
@@ -59,7 +67,7 @@ class Case:
     exc: Exc
     names: tuple[str | tuple[str, ...], ...]
     world: bool = False
-    item: int | None = None
+    item: int | str | None = None
     absent: tuple[str, ...] = ()
 
 
@@ -73,7 +81,7 @@ def case(
     exc: Exc,
     *names: str | tuple[str, ...],
     world: bool = False,
-    item: int | None = None,
+    item: int | str | None = None,
     absent: tuple[str, ...] = (),
 ) -> None:
     assert all(c.id != id for c in CASES), id
@@ -1952,12 +1960,684 @@ case(
 )
 
 
+# -- the loop: windows, Step, save and load (issue 26, item="loop") -----------------------------
+
+
+def loop_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).to(
+        F64
+    )
+
+
+def loop_batches(count: int = 5, rows: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(rows, 3, generator=g, dtype=F64), torch.randn(rows, 1, generator=g, dtype=F64))
+        for _ in range(count)
+    ]
+
+
+def loop_loader(count: int = 7, rows: int = 2) -> Any:
+    """A DataLoader of ``count`` micro-batches of ``rows`` rows (in order)."""
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(count * rows, 3, generator=g, dtype=F64)
+    ys = torch.randn(count * rows, 1, generator=g, dtype=F64)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=rows)
+
+
+def loop_mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    xs, ys = batch
+    return torch.nn.functional.mse_loss(model(xs), ys)
+
+
+def loop_step(*, added: int = 1, **kw: Any) -> NS:
+    """A model, AdamW with state, a warm-up scheduler, windows of 3 and a Step fed by them, with
+    one window applied and ``added`` micro-batches of the next one added (no sync)."""
+    model = loop_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    data = gradaccum.loop.windows(loop_loader(), 3, epochs=2)
+    step = gradaccum.loop.Step(model, loop_mse, opt, data=data, scheduler=sched, **kw)
+    it = iter(data)
+    for batch in next(it):
+        step.add(batch)
+    step.apply()
+    window = next(it)
+    taken = iter(window)
+    for _ in range(added):
+        step.add(next(taken))
+    return {"model": model, "opt": opt, "sched": sched, "data": data, "step": step, "it": taken}
+
+
+def loop_saved(**kw: Any) -> NS:
+    """``loop_step()`` saved mid-window into a fresh directory, then a fresh step to load into
+    (built by ``kw``'s options), and the directory."""
+    ns = loop_step()
+    path = Path(tempfile.mkdtemp(prefix="misuse-loop-"))
+    gradaccum.loop.save(path, ns["step"])
+    fresh = loop_fresh(**kw)
+    return {**fresh, "path": path, "files": path}
+
+
+def loop_fresh(
+    *,
+    hidden: int = 4,
+    optimizer: str = "adamw",
+    scheduler: bool = True,
+    n: int = 3,
+    rows: int = 2,
+    reduction: str = "mean",
+    count: int = 7,
+) -> NS:
+    """A step and windows as a resumed run builds them, before ``load``."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+    ).to(F64)
+    if optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0) if scheduler else None
+    data = gradaccum.loop.windows(loop_loader(count, rows), n, epochs=2)
+    step = gradaccum.loop.Step(
+        model,
+        loop_mse,
+        opt,
+        data=data,
+        scheduler=sched,
+        reduction=reduction,  # type: ignore[arg-type]
+    )
+    out: NS = {"model": model, "opt": opt, "data": data, "step": step}
+    if sched is not None:
+        out["sched"] = sched
+    return out
+
+
+def a_file() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="misuse-loop-")) / "checkpoint"
+    path.write_bytes(b"not a directory")
+    return path
+
+
+class NotDDP(torch.nn.Module):
+    """A module with DistributedDataParallel's ``no_sync``: what ``Step`` refuses to wrap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(3, 1).to(F64)
+
+    def no_sync(self) -> Any:
+        return contextlib.nullcontext()
+
+
+class Augmented(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Random augmentation in ``__getitem__``: a mid-epoch position cannot be replayed."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((3,), float(i), dtype=F64) + torch.rand(3, dtype=F64), torch.zeros(
+            1, dtype=F64
+        )
+
+
+def loop_augmented() -> NS:
+    model = loop_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(Augmented(), batch_size=2)
+    data = gradaccum.loop.windows(loader, 2)
+    step = gradaccum.loop.Step(model, loop_mse, opt, data=data)
+    window = next(iter(data))
+    step.add(next(iter(window)))
+    path = Path(tempfile.mkdtemp(prefix="misuse-loop-"))
+    return {"model": model, "opt": opt, "data": data, "step": step, "window": window, "path": path}
+
+
+# windows(data, n, ...): its arguments, before anything is read.
+for _id, _n, _exc in BAD_N:
+    case(
+        f"loop.windows-n-{_id}",
+        dict,
+        lambda ns, n=_n: gradaccum.loop.windows(range(4), n),
+        _exc,
+        "n must be",
+        item="loop",
+    )
+for _id, _epochs in [("0", 0), ("negative", -2), ("float", 1.5), ("str", "2"), ("bool", True)]:
+    case(
+        f"loop.windows-epochs-{_id}",
+        dict,
+        lambda ns, e=_epochs: gradaccum.loop.windows(range(4), 2, epochs=e),
+        ValueError,
+        "epochs must be",
+        item="loop",
+    )
+for _id, _timeout in [("0", 0), ("negative", -1.0), ("nan", NAN), ("inf", INF), ("str", "5")]:
+    case(
+        f"loop.windows-timeout-{_id}",
+        dict,
+        lambda ns, t=_timeout: gradaccum.loop.windows(range(4), 2, timeout=t),
+        ValueError,
+        "timeout must be",
+        item="loop",
+    )
+for _id, _data in [("int", 5), ("None", None), ("float", 2.5)]:
+    case(
+        f"loop.windows-data-{_id}",
+        dict,
+        lambda ns, d=_data: gradaccum.loop.windows(d, 2),
+        TypeError,
+        "data must be",
+        item="loop",
+    )
+case(
+    "loop.windows-generator-two-epochs",
+    dict,
+    lambda ns: gradaccum.loop.windows((i for i in range(4)), 2, epochs=2),
+    TypeError,
+    "epochs=2",
+    item="loop",
+)
+case(
+    "loop.windows-prefetch-str",
+    dict,
+    lambda ns: gradaccum.loop.windows(range(4), 2, prefetch="yes"),  # type: ignore[arg-type]
+    TypeError,
+    "prefetch must be",
+    item="loop",
+)
+case(
+    "loop.windows-group-str",
+    dict,
+    lambda ns: gradaccum.loop.windows(range(4), 2, group="world"),
+    TypeError,
+    "group",
+    item="loop",
+)
+# A factory epoch -> iterable that returns something else: refused when the epoch starts, with
+# the windows' position unchanged.
+for _id, _made in [("None", None), ("int", 3)]:
+    case(
+        f"loop.windows-factory-returns-{_id}",
+        lambda made=_made: {"data": gradaccum.loop.windows(lambda epoch: made, 2)},
+        lambda ns: list(ns["data"]),
+        TypeError,
+        "factory returned",
+        item="loop",
+    )
+case(
+    "loop.windows-schedule-returns-0",
+    lambda: {"data": gradaccum.loop.windows(range(4), lambda i: 0)},
+    lambda ns: list(ns["data"]),
+    ValueError,
+    "n must be",
+    item="loop",
+)
+case(
+    "loop.Windows.load_state_dict-not-a-position",
+    lambda: {"data": gradaccum.loop.windows(range(4), 2)},
+    lambda ns: ns["data"].load_state_dict({"epoch": 0}),
+    gradaccum.GradAccumError,
+    "format",
+    item="loop",
+)
+case(
+    "loop.Windows.load_state_dict-older-format",
+    lambda: {"data": gradaccum.loop.windows(range(4), 2)},
+    lambda ns: ns["data"].load_state_dict({"format": "gradaccum.loop.Windows/1", "epoch": 0}),
+    gradaccum.GradAccumError,
+    "gradaccum.loop.Windows/1",
+    item="loop",
+)
+
+# Step(model, loss, optimizer, ...): its arguments.
+
+
+def _step_args(**change: Any) -> NS:
+    model = loop_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    args = {"model": model, "loss": loop_mse, "optimizer": opt, **change}
+    return {"model": model, "opt": opt, "args": args}
+
+
+def _make_step(ns: NS) -> Any:
+    args = dict(ns["args"])
+    return gradaccum.loop.Step(args.pop("model"), args.pop("loss"), args.pop("optimizer"), **args)
+
+
+for _id, _change, _exc, _name in [
+    ("model-dict", {"model": {}}, TypeError, "model must be"),
+    ("model-None", {"model": None}, TypeError, "model must be"),
+    ("model-ddp", {"model": NotDDP()}, TypeError, "DistributedDataParallel"),
+    ("loss-not-callable", {"loss": "mse"}, TypeError, "loss must be"),
+    ("optimizer-params", {"optimizer": [torch.zeros(1)]}, TypeError, "optimizer must be"),
+    ("optimizer-None", {"optimizer": None}, TypeError, "optimizer must be"),
+    ("scheduler-no-step", {"scheduler": 0.1}, TypeError, "scheduler must be"),
+    ("clip-0", {"clip": 0.0}, ValueError, "clip must be"),
+    ("clip-negative", {"clip": -1.0}, ValueError, "clip must be"),
+    ("clip-nan", {"clip": NAN}, ValueError, "clip must be"),
+    ("clip-inf", {"clip": INF}, ValueError, "clip must be"),
+    ("clip-str", {"clip": "1"}, ValueError, "clip must be"),
+    ("reduction-avg", {"reduction": "avg"}, ValueError, "reduction"),
+    ("accum_dtype-int32", {"accum_dtype": torch.int32}, TypeError, "accum_dtype"),
+    ("data-a-list", {"data": [1, 2]}, TypeError, "data must be"),
+    ("data-a-loader", {"data": range(4)}, TypeError, "data must be"),
+    ("sync-str", {"sync": "all_reduce"}, TypeError, "sync"),
+]:
+    case(
+        f"loop.Step-{_id}",
+        lambda change=_change: _step_args(**change),
+        _make_step,
+        _exc,
+        _name,
+        item="loop",
+    )
+
+
+def _other_scheduler() -> NS:
+    ns = _step_args()
+    other = torch.optim.SGD(ns["model"].parameters(), lr=0.1)
+    ns["args"]["scheduler"] = torch.optim.lr_scheduler.StepLR(other, 1)
+    return ns
+
+
+case(
+    "loop.Step-scheduler-of-another-optimizer",
+    _other_scheduler,
+    _make_step,
+    ValueError,
+    "scheduler is not the optimizer's",
+    item="loop",
+)
+
+
+def _all_frozen() -> NS:
+    ns = _step_args()
+    ns["model"].requires_grad_(False)
+    return ns
+
+
+case(
+    "loop.Step-no-trainable-parameters",
+    _all_frozen,
+    _make_step,
+    ValueError,
+    "requires_grad",
+    item="loop",
+)
+case(
+    "loop.Step-sync-and-data-sync-differ",
+    lambda: _step_args(
+        sync=gradaccum.all_reduce(),
+        data=gradaccum.loop.windows(range(4), 2, sync=gradaccum.all_reduce()),
+    ),
+    _make_step,
+    ValueError,
+    "different syncs",
+    world=True,
+    item="loop",
+)
+case(
+    "loop.Step-sync-reduce_scatter",
+    lambda: _step_args(sync=gradaccum.reduce_scatter(gradaccum.shard(world_params()))),
+    _make_step,
+    ValueError,
+    "reduce_scatter",
+    world=True,
+    item="loop",
+)
+
+# Step.add(batch): what the loss returns, and the rows; nothing added when refused (no sync).
+
+
+def _adding(loss: Any, reduction: str = "mean") -> NS:
+    ns = loop_step(reduction=reduction) if reduction == "mean" else {}
+    if not ns:
+        model = loop_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ns = {"model": model, "opt": opt}
+        ns["step"] = gradaccum.loop.Step(model, loop_mse, opt, reduction=reduction)  # type: ignore[arg-type]
+    ns["step"].loss = loss
+    ns["batch"] = loop_batches(1)[0]
+    return ns
+
+
+for _id, _loss, _reduction, _exc, _name in [
+    (
+        "count-without-a-count",
+        loop_mse,
+        "count",
+        TypeError,
+        "(summed_loss, count)",
+    ),
+    (
+        "loss-a-vector",
+        lambda m, b: (m(b[0]) - b[1]).pow(2).squeeze(1),
+        "mean",
+        TypeError,
+        "0-dim",
+    ),
+    ("loss-a-float", lambda m, b: 0.5, "mean", TypeError, "0-dim"),
+    ("loss-three-values", lambda m, b: (loop_mse(m, b), 2, 3), "mean", TypeError, "0-dim"),
+    (
+        "loss-without-grad",
+        lambda m, b: loop_mse(m, b).detach(),
+        "mean",
+        ValueError,
+        "does not require grad",
+    ),
+    ("rows-negative", lambda m, b: (loop_mse(m, b), -2), "mean", ValueError, "size"),
+    ("rows-nan", lambda m, b: (loop_mse(m, b), NAN), "mean", TypeError, "size"),
+    ("count-negative", lambda m, b: (loop_mse(m, b), -1), "count", ValueError, "count"),
+]:
+    case(
+        f"loop.Step.add-{_id}",
+        lambda loss=_loss, reduction=_reduction: _adding(loss, reduction),
+        lambda ns: ns["step"].add(ns["batch"]),
+        _exc,
+        _name,
+        item="loop",
+    )
+
+
+def _dict_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+case(
+    "loop.Step.add-rows-ambiguous",
+    lambda: {
+        **_adding(_dict_loss),
+        "batch": {
+            "cw": torch.ones(3, dtype=F64),
+            "x": torch.ones(2, 3, dtype=F64),
+            "y": torch.ones(2, 1, dtype=F64),
+        },
+    },
+    lambda ns: ns["step"].add(ns["batch"]),
+    ValueError,
+    "batch['cw'] has 3",
+    item="loop",
+)
+case(
+    "loop.Step.add-no-rows",
+    lambda: {
+        **_adding(lambda m, b: m(torch.full((1, 3), b["x"], dtype=F64)).sum()),
+        "batch": {"x": 1.0, "y": 2.0},
+    },
+    lambda ns: ns["step"].add(ns["batch"]),
+    ValueError,
+    "no tensor with a dim",
+    item="loop",
+)
+
+
+def _frozen_mid_window() -> NS:
+    ns = loop_step()
+    ns["model"][0].bias.requires_grad_(False)
+    ns["batch"] = loop_batches(1)[0]
+    return ns
+
+
+case(
+    "loop.Step.add-frozen-mid-window",
+    _frozen_mid_window,
+    lambda ns: ns["step"].add(ns["batch"]),
+    ValueError,
+    "'0.bias' was frozen",
+    item="loop",
+)
+case(
+    "loop.Step.load_state_dict-not-a-state",
+    loop_step,
+    lambda ns: ns["step"].load_state_dict({"model": {}}),
+    ValueError,
+    "format",
+    item="loop",
+)
+case(
+    "loop.Step.load_state_dict-older-format",
+    loop_step,
+    lambda ns: ns["step"].load_state_dict({"format": "gradaccum.loop.Step/1"}),
+    ValueError,
+    "gradaccum.loop.Step/1",
+    item="loop",
+)
+
+# loop.save(path, step, data=...): refused before anything is written.
+for _id, _path, _exc, _name in [
+    ("empty", "", ValueError, "path is ''"),
+    ("None", None, TypeError, "path must be"),
+    ("bytes", b"checkpoint", TypeError, "path must be"),
+    ("int", 3, TypeError, "path must be"),
+]:
+    case(
+        f"loop.save-path-{_id}",
+        loop_step,
+        lambda ns, path=_path: gradaccum.loop.save(path, ns["step"]),
+        _exc,
+        _name,
+        item="loop",
+    )
+    case(
+        f"loop.load-path-{_id}",
+        loop_fresh,
+        lambda ns, path=_path: gradaccum.loop.load(path, ns["step"]),
+        _exc,
+        _name,
+        item="loop",
+    )
+case(
+    "loop.save-path-a-file",
+    lambda: {**loop_step(), "path": a_file()},
+    lambda ns: gradaccum.loop.save(ns["path"], ns["step"]),
+    ValueError,
+    "is a file",
+    item="loop",
+)
+case(
+    "loop.load-path-a-file",
+    lambda: {**loop_fresh(), "path": a_file()},
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    ValueError,
+    "is a file",
+    item="loop",
+)
+case(
+    "loop.load-path-missing",
+    lambda: {**loop_fresh(), "path": Path(tempfile.mkdtemp(prefix="misuse-loop-")) / "none"},
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    FileNotFoundError,
+    "does not exist",
+    item="loop",
+)
+for _verb in ("save", "load"):
+    case(
+        f"loop.{_verb}-step-a-module",
+        lambda: {**loop_step(), "path": Path(tempfile.mkdtemp(prefix="misuse-loop-"))},
+        lambda ns, verb=_verb: getattr(gradaccum.loop, verb)(ns["path"], ns["model"]),
+        TypeError,
+        "step must be",
+        item="loop",
+    )
+    case(
+        f"loop.{_verb}-data-a-list",
+        lambda: {"path": Path(tempfile.mkdtemp(prefix="misuse-loop-"))},
+        lambda ns, verb=_verb: getattr(gradaccum.loop, verb)(ns["path"], data=[1, 2]),
+        TypeError,
+        "data must be",
+        item="loop",
+    )
+    case(
+        f"loop.{_verb}-neither-step-nor-data",
+        lambda: {"path": Path(tempfile.mkdtemp(prefix="misuse-loop-"))},
+        lambda ns, verb=_verb: getattr(gradaccum.loop, verb)(ns["path"]),
+        ValueError,
+        "both None",
+        item="loop",
+    )
+    case(
+        f"loop.{_verb}-data-not-the-steps",
+        lambda: {
+            **loop_step(),
+            "other": gradaccum.loop.windows(loop_batches(7), 3),
+            "path": Path(tempfile.mkdtemp(prefix="misuse-loop-")),
+        },
+        lambda ns, verb=_verb: getattr(gradaccum.loop, verb)(
+            ns["path"], ns["step"], data=ns["other"]
+        ),
+        ValueError,
+        "not the step's data",
+        item="loop",
+    )
+
+
+def _taken_not_added() -> NS:
+    ns = loop_step(added=1)
+    next(ns["it"])  # taken from the window, not added to the step
+    ns["path"] = Path(tempfile.mkdtemp(prefix="misuse-loop-"))
+    return ns
+
+
+case(
+    "loop.save-step-and-data-disagree",
+    _taken_not_added,
+    lambda ns: gradaccum.loop.save(ns["path"], ns["step"]),
+    ValueError,
+    "the step is at window 1 with 1 micro-batch(es) added, but the data at window 1 with 2",
+    item="loop",
+)
+case(
+    "loop.save-mid-epoch-augmented-data",
+    loop_augmented,
+    lambda ns: gradaccum.loop.save(ns["path"], ns["step"]),
+    ValueError,
+    "draws random numbers",
+    item="loop",
+)
+
+# loop.load(path, step, data=...): all or nothing; a refused load changes nothing.
+for _id, _kw, _exc, _name in [
+    ("another-model", {"hidden": 5}, ValueError, "'0.weight'"),
+    ("another-optimizer", {"optimizer": "sgd"}, ValueError, "AdamW"),
+    ("no-scheduler", {"scheduler": False}, ValueError, "scheduler"),
+    ("another-reduction", {"reduction": "sum"}, ValueError, "reduction='mean'"),
+    ("another-n", {"n": 2}, gradaccum.GradAccumError, "n=3"),
+    (
+        "another-batch-size",
+        {"rows": 3},
+        gradaccum.GradAccumError,
+        "the data is not the checkpoint's",
+    ),
+    ("another-dataset", {"count": 9}, gradaccum.GradAccumError, "length"),
+]:
+    case(
+        f"loop.load-{_id}",
+        lambda kw=_kw: loop_saved(**kw),
+        lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+        _exc,
+        _name,
+        item="loop",
+    )
+
+
+def _saved_data_only() -> NS:
+    ns = loop_step()
+    path = Path(tempfile.mkdtemp(prefix="misuse-loop-"))
+    gradaccum.loop.save(path, data=ns["data"])
+    return {**loop_fresh(), "path": path}
+
+
+case(
+    "loop.load-a-step-that-was-not-saved",
+    _saved_data_only,
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    ValueError,
+    "holds none",
+    item="loop",
+)
+
+
+def _step_without_data() -> NS:
+    ns = loop_saved()
+    model, opt = ns["model"], ns["opt"]
+    ns["step"] = gradaccum.loop.Step(model, loop_mse, opt, scheduler=ns["sched"])
+    return ns
+
+
+case(
+    "loop.load-the-data-position-left-out",
+    _step_without_data,
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    ValueError,
+    "none is given",
+    item="loop",
+)
+
+
+def _damaged() -> NS:
+    ns = loop_saved()
+    file = ns["path"] / "rank0.pt"
+    file.write_bytes(file.read_bytes()[:200])
+    return ns
+
+
+case(
+    "loop.load-a-file-cut-short",
+    _damaged,
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    gradaccum.GradAccumError,
+    "cannot be read by torch.load",
+    item="loop",
+)
+
+
+def _older() -> NS:
+    ns = loop_saved()
+    file = ns["path"] / "rank0.pt"
+    saved = torch.load(file, weights_only=True)
+    saved["format"] = "gradaccum.loop.checkpoint/1"
+    torch.save(saved, file)
+    return ns
+
+
+case(
+    "loop.load-an-older-format",
+    _older,
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    gradaccum.GradAccumError,
+    "gradaccum.loop.checkpoint/1",
+    item="loop",
+)
+
+
+def _while_iterating() -> NS:
+    ns = loop_saved()
+    ns["loop"] = iter(ns["data"])
+    next(ns["loop"])  # the windows are being iterated
+    return ns
+
+
+case(
+    "loop.load-while-the-windows-are-iterated",
+    _while_iterating,
+    lambda ns: gradaccum.loop.load(ns["path"], ns["step"]),
+    RuntimeError,
+    "being iterated",
+    item="loop",
+)
+
+
 # -- the generic test ---------------------------------------------------------------------------
 
 # After the call shape and the expectation, a fix: "; pass ...", ". Use ...", "; step_fn must ...".
 FIX = re.compile(
     r"(?:;|\.)\s+(?:.*?\b)?(?:pass|use|call|give|return|load|drop|wrap|start|convert|compute|"
-    r"shard|skip|move|build|resume|save|look|check|gather|reduce|take|must|e\.g\.)\b",
+    r"shard|skip|move|build|resume|save|look|check|gather|reduce|take|must|e\.g\.|change|"
+    r"unfreeze)\b",
     re.IGNORECASE | re.DOTALL,
 )
 CALL_SHAPE = re.compile(r"\A[A-Za-z_][\w.]*\(")
@@ -2007,6 +2687,32 @@ def snapshot(obj: Any, path: str = "ns", out: list[tuple[str, Any]] | None = Non
             snapshot(b, f"{path}.buffer[{k}]", out)
     elif isinstance(obj, torch.optim.Optimizer):
         snapshot(obj.state_dict(), f"{path}.state_dict()", out)
+    elif isinstance(
+        obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    ):
+        snapshot(obj.state_dict(), f"{path}.state_dict()", out)
+    elif isinstance(obj, gradaccum.loop.Step):
+        snapshot(obj.model, f"{path}.model", out)
+        snapshot(obj.optimizer, f"{path}.optimizer", out)
+        snapshot(obj.scheduler, f"{path}.scheduler", out)
+        snapshot(obj.state, f"{path}.state", out)  # the window in progress: sums, weight, metrics
+        out.append((f"{path}._saves", ("value", "int", obj._saves)))
+    elif isinstance(obj, gradaccum.loop.Windows):
+        position = (obj.epoch, obj.window, obj.micro_batch, obj._in_window, obj._closed)
+        out.append((f"{path}.position", ("value", "tuple", position)))
+        # Refused mid-epoch for data a replay cannot give; a factory that fails refuses it too.
+        with contextlib.suppress(ValueError, TypeError):
+            snapshot(obj.state_dict(), f"{path}.state_dict()", out)
+    elif isinstance(obj, Path):  # a checkpoint directory or a file: what it holds, byte for byte
+        if obj.is_dir():
+            files = sorted(f for f in obj.rglob("*") if f.is_file())
+            held = [
+                (str(f.relative_to(obj)), hashlib.sha256(f.read_bytes()).hexdigest()) for f in files
+            ]
+            out.append((path, ("dir", held)))
+        else:
+            data = obj.read_bytes() if obj.exists() else None
+            out.append((path, ("file", None if data is None else hashlib.sha256(data).hexdigest())))
     elif isinstance(obj, gradaccum.sync.Sharded):
         snapshot(list(obj.shards), f"{path}.shards", out)
     elif isinstance(obj, gradaccum.sync.CustomReduce):
@@ -2086,7 +2792,11 @@ def test_misuse(c: Case, request: pytest.FixtureRequest) -> None:
 
 def test_the_catalogue_is_broad() -> None:
     assert len(CASES) >= 80
-    assert {c.item for c in CASES if c.item is not None} == set(range(1, 12))
+    assert {c.item for c in CASES if isinstance(c.item, int)} == set(range(1, 12))
+    loop = [c for c in CASES if c.item == "loop"]
+    assert len(loop) >= 90
+    for call in ("windows", "Step", "Step.add", "save", "load"):
+        assert any(c.id.startswith(f"loop.{call}-") for c in loop), call
 
 
 def test_the_snapshot_sees_every_kind_of_change() -> None:
@@ -2105,9 +2815,18 @@ def test_the_snapshot_sees_every_kind_of_change() -> None:
         lambda ns: ns["sd"].update(micro_step=2),
         lambda ns: ns["nan"][1].zero_(),
         lambda ns: ns["batch"][0].__setitem__((0, 0), 9.0),
+        # The loop's: the step's window, its scheduler, the data position, a checkpoint's files.
+        lambda ns: next(iter(ns["loop"]["step"].state.sums.values())).add_(1.0),
+        lambda ns: setattr(ns["loop"]["step"], "_saves", 1),
+        lambda ns: ns["loop"]["sched"].step(),
+        lambda ns: setattr(ns["loop"]["data"], "_pos", 5),
+        lambda ns: (ns["ckpt"] / "rank0.pt").write_bytes(b"another save"),
+        lambda ns: (ns["ckpt"] / "shared.pt").write_bytes(b"a new file"),
     ]
     for mutate in mutations:
-        ns = {**linear(), **mid(), **pb(), "bn": batchnorm()["module"]}
+        ns = {**linear(), **mid(), **pb(), "bn": batchnorm()["module"], "loop": loop_step()}
+        ns["ckpt"] = Path(tempfile.mkdtemp(prefix="misuse-loop-"))
+        (ns["ckpt"] / "rank0.pt").write_bytes(b"a save")
         ns["sd"] = ns["acc"].state_dict(ns["state"])
         ns["nan"] = torch.tensor([NAN, 1.0])
         before = snapshot(ns)
