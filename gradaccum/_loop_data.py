@@ -334,20 +334,27 @@ class Windows(Generic[B]):
         start = 0
         for j in range(self._epoch_window, self._window):
             start += size_at(where, n, j)
+        # Where window k starts in this rank's data: a rank whose data ran out in an earlier
+        # (short) window is at its end.
+        mine = None if longest is None else length_of(self._source.of(self._epoch))
+        at = start if mine is None else min(start, mine)
+        ran_out = mine is None and self._in_window == 0 and self._pos < start
         if (
             k < 0
-            or start + self._in_window != self._pos
+            or (at + self._in_window != self._pos and not ran_out)
             or (
                 longest is not None
                 and k >= max(1, count_windows(where, n, self._epoch_window, longest))
             )
         ):
-            raise GradAccumError(
+            err = GradAccumError(
                 f"{where}: the data position (epoch {self._epoch}, window {self._window}, its "
                 f"micro-batch {self._in_window}, micro-batch {self._pos} of the epoch) does not "
                 f"fit these windows: the epoch's windows start at window {self._epoch_window}, "
-                f"and window {self._window} at micro-batch {start}{FIX}"
+                f"and window {self._window} at micro-batch {at}{FIX}"
             )
+            self._failed(err, notify=True)  # the step's boundary tells the other ranks
+            raise err
         if self._closed:
             start += size_at(where, n, self._window)
             self._advance()

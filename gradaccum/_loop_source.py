@@ -210,27 +210,24 @@ def draws_randomness(data: Any) -> str | None:
     torch, Python's ``random`` and NumPy, and compares them bit for bit; the process's random
     states are put back afterwards. An item that changes with the seeds comes from random
     augmentation (a ``Dataset.__getitem__`` that calls ``torch.rand``, ``random.random``...),
-    which replaying the data cannot reproduce unless the data seeds it per sample. Data that is
-    not a ``DataLoader`` over a ``Dataset`` (a list, a generator) is not probed.
+    which replaying the data cannot reproduce unless the data seeds it per sample. Only a
+    ``DataLoader`` over a map-style ``Dataset`` is probed: an ``IterableDataset`` (whose iterator
+    may be a one-pass stream that reading would consume), a list or a generator is not.
     """
     dataset = getattr(data, "dataset", None)
     if dataset is None:
         return None
-    read: Callable[[], Any]
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-
-        def read() -> Any:
-            return next(iter(dataset))
-
-        what = f"iterating its IterableDataset ({type(dataset).__name__})"
-    elif hasattr(dataset, "__getitem__") and (length_of(dataset) or 0) > 0:
-
-        def read() -> Any:
-            return dataset[0]
-
-        what = f"its dataset's __getitem__ ({type(dataset).__name__})"
-    else:
+    # An IterableDataset is not probed: its iterator may be a one-pass stream (a socket, a
+    # queue), which reading would consume.
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+        hasattr(dataset, "__getitem__") and (length_of(dataset) or 0) > 0
+    ):
         return None
+
+    def read() -> Any:
+        return dataset[0]
+
+    what = f"its dataset's __getitem__ ({type(dataset).__name__})"
     items = []
     np = sys.modules.get("numpy")
     with under_rng(rng_states()):

@@ -200,3 +200,48 @@ def test_ranks_at_different_places_all_raise(sized: bool) -> None:
         "windows from 0 to 1"
     )
     assert expected in r0["message"]
+
+
+def _uneven_job(rank: int, path: str, save: bool, resume: bool) -> Any:
+    import torch
+
+    from gradaccum import loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    f64 = torch.float64
+    rows = [(torch.randn(2, 5, generator=g, dtype=f64), torch.randn(2, 1, generator=g, dtype=f64))]
+    micro = rows * (7 if rank == 0 else 5)  # windows of [3, 3], [3, 2], [1, 0]
+    data = windows(micro, 3, sync=gradaccum.all_reduce(timeout=20))
+
+    def mse(m: Any, b: Any) -> Any:
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    step = loop.Step(model, mse, opt, data=data)
+    if resume:
+        loop.load(path, step)
+    for window in data:
+        for batch in window:
+            step.add(batch)
+        if save and window.index == 2:  # the documented idiom, in the uneven last window
+            loop.save(path, step)
+            return None
+        step.apply()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _uneven_resume(rank: int, world: int, path: str) -> bool:
+    import torch
+
+    whole = _uneven_job(rank, path + "/unused", save=False, resume=False)
+    _uneven_job(rank, path, save=True, resume=False)
+    again = _uneven_job(rank, path, save=False, resume=True)
+    return all(torch.equal(a, b) for a, b in zip(whole, again))
+
+
+def test_a_save_in_an_uneven_last_window_resumes_bit_identically(tmp_path) -> None:
+    """Rank 1's data ran out in window 1 (2 of 3 micro-batches): its position at window 2 is
+    its data's end, not window 2's start; it was refused there (and rank 0 waited)."""
+    assert dist.values(dist.run(_uneven_resume, str(tmp_path), timeout=120)) == [True, True]
