@@ -87,3 +87,5 @@ if __name__ == "__main__":
     if "RANK" in os.environ:  # started by torchrun
         dist.init_process_group("gloo")
     train()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # nothing of the group left when the interpreter exits

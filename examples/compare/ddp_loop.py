@@ -120,3 +120,4 @@ if __name__ == "__main__":
     else:  # python FILE: a world of one process
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     train()
+    dist.destroy_process_group()  # nothing of the group left when the interpreter exits
