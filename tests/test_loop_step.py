@@ -863,7 +863,7 @@ def test_a_data_error_without_a_sync_leaves_the_window_going() -> None:
     assert step.apply().micro_batches == 1
 
 
-class Flaky:
+class RaisingData:
     """A rank's micro-batches: reading number ``bad`` raises (a corrupt file, say)."""
 
     def __init__(self, rank: int, bad: int | None) -> None:
@@ -886,7 +886,7 @@ def _one_rank_fails(rank: int, world: int, how: str) -> dict:
     sync = gradaccum.all_reduce()  # no timeout of its own: the group's (short) one
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bad = 5 if how == "data" and rank == 1 else None
-    data, native = with_hooks(windows(Flaky(rank, bad), 4, sync=sync), sync)
+    data, native = with_hooks(windows(RaisingData(rank, bad), 4, sync=sync), sync)
     step = Step(model, mse, opt, data=data)
     t0 = time.perf_counter()
     try:
