@@ -102,7 +102,7 @@ SEVERITY = {NA: 8, CRASH: 7, HANG: 6, CORRUPT: 5, WRONG: 4, UNCLEAR: 3, REFUSED:
 _STEP_ARGS = inspect.signature(loop.Step).parameters
 HAS_DATA_ARG = "data" in _STEP_ARGS  # Step(..., data=windows): data errors reach the boundary
 HAS_FACTORY = "Callable" in str(inspect.signature(loop.windows).parameters["data"].annotation)
-CKPT_FORMAT = str(getattr(sys.modules["gradaccum._loop_save"], "FORMAT", "?"))
+CKPT_FORMAT = str(getattr(sys.modules["gradaccum.loop._save"], "FORMAT", "?"))
 BEFORE = os.environ.get("LOOP_PROBES_BEFORE")  # a tree of the code before issue 26, if given
 
 # The words of a clear message (tests/test_misuse.py): the call shape, then a fix.

@@ -5,7 +5,7 @@ Every rank keeps only its shard of the parameters: ``gradaccum.shard`` cuts them
 multiple of the number of ranks and keeps this rank's chunk of each. AdamW steps on the flat
 shard tensors (``sharded.shards``), so its two moment buffers are sharded too. Each optimizer
 step is one call of ``gradaccum.accumulate(..., sync=gradaccum.reduce_scatter(sharded))`` on the
-``gradaccum.sync.Sharded`` that ``gradaccum.shard`` returned: it all-gathers the full
+``gradaccum.sharding.Sharded`` that ``gradaccum.shard`` returned: it all-gathers the full
 parameters (one ``all_gather`` per bucket), runs ``-n`` micro-batches through the model, and
 returns this rank's shard of the gradient of the mean loss over the *global* batch, exact when
 the ranks hold unequal rows (``--batch 45`` on 2 ranks: 23 and 22). Then
@@ -196,8 +196,8 @@ class Run:
     """One sharded training run: the shards, their optimizer and the accumulated step."""
 
     mesh: DeviceMesh | None
-    sharded: gradaccum.sync.Sharded
-    sync: gradaccum.sync.ReduceScatter
+    sharded: gradaccum.sharding.Sharded
+    sync: gradaccum.sharding.ReduceScatter
     optimizer: torch.optim.AdamW
     step: Callable
 

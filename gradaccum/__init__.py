@@ -5,27 +5,29 @@ happens once, at the accumulation boundary.
 """
 
 from . import boundary as boundary
+from . import checkpoint as checkpoint
 from . import compression as compression
 from . import loop as loop
 from . import privacy as privacy
+from . import sharding as sharding
 from . import streaming as streaming
 from . import sync as sync
 from . import testing as testing
-from ._accumulate import accumulate as accumulate
-from ._all_reduce import all_reduce as all_reduce
 from ._autograd import grad as grad
 from ._autograd import grad_and_value as grad_and_value
-from ._custom import custom_reduce as custom_reduce
+from ._core.accumulate import accumulate as accumulate
+from ._core.accumulator import Accumulator as Accumulator
 from ._errors import GradAccumError as GradAccumError
 from ._module import buffers_of as buffers_of
 from ._module import call_module as call_module
 from ._module import params_of as params_of
 from ._module import update_buffers as update_buffers
 from ._module import write_grads as write_grads
-from ._reduce_scatter import reduce_scatter as reduce_scatter
-from ._shard import shard as shard
 from ._split import MicroBatches as MicroBatches
-from ._state import Accumulator as Accumulator
+from .sharding._reduce_scatter import reduce_scatter as reduce_scatter
+from .sharding._sharded import shard as shard
+from .sync._all_reduce import all_reduce as all_reduce
+from .sync._custom import custom_reduce as custom_reduce
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ import torch
 from torch.func import functional_call
 
 from ._errors import check_not_dtensor, describe, dtype_name
-from ._fsdp import quiet_fsdp
+from .sharding._fsdp import quiet_fsdp
 
 # The tensors params_of handed out, per module and name (weak: a dropped dict is forgotten), so
 # that call_module can tell a dict taken before Module.to(...) (stale storage) from a user's own

@@ -1,7 +1,296 @@
-"""Boundary transforms: what to do with a window's gradients before the optimizer step."""
+"""Boundary transforms: pure functions on a window's gradients, before the optimizer step."""
 
-from ._boundary import LossScale as LossScale
-from ._boundary import LossScaleState as LossScaleState
-from ._boundary import clip_by_global_norm as clip_by_global_norm
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _tree
+from ._dist.comm import Comm
+from ._dist.mesh import axes, check_group
+from ._errors import describe
 
 __all__ = ["LossScale", "LossScaleState", "clip_by_global_norm"]
+
+_FIX = (
+    "pass group=None (the gradients are the same on every rank, as after an all_reduce sync), "
+    "or the group or mesh the gradients were reduce-scattered over (e.g. sharded.group)"
+)
+T = TypeVar("T")
+
+
+def _leaves(where: str, grads: Any) -> tuple[list[torch.Tensor], _tree.PyTreeSpec]:
+    paths, leaves, spec = _tree.flatten_with_paths(grads)
+    for path, g in zip(paths, leaves):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(
+                f"{where}: gradient leaf {path} is {describe(g)}; every leaf must be a floating "
+                f"tensor. Pass the gradients that accumulate() or Accumulator.finalize() returned."
+            )
+    return leaves, spec
+
+
+def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tuple[T, torch.Tensor]:
+    """Scale ``grads`` so that their global 2-norm is at most ``max_norm``.
+
+    The same rule as ``torch.nn.utils.clip_grad_norm_`` (factor
+    ``min(1, max_norm / (norm + 1e-6))``), but pure: new tensors are returned, the input is not
+    modified, and there is no host synchronisation. Apply it to the *window's* gradient, after
+    the boundary, never per micro-batch.
+
+    Args:
+        grads: A pytree of floating tensors.
+        max_norm: The largest allowed global norm, a positive number.
+        group: ``None``: the norm of these gradients alone (enough after an ``all_reduce``
+            sync, where they are the same on every rank). A process group: the gradients are
+            shards (from a [`reduce_scatter()`][gradaccum.reduce_scatter] sync), and the norm
+            is that of the whole gradient, from one one-element ``all_reduce`` of the squared
+            norm. Padding is zero, so it does not count. A ``DeviceMesh``: its group, or for a
+            2-D (replicate, shard) mesh its shard dim (replicas hold the same shards).
+
+    Returns:
+        ``(clipped, norm)``: the clipped gradients and the global norm before clipping (a 0-dim
+        float tensor, float64 if any leaf is float64, otherwise float32).
+
+    Raises:
+        TypeError: A leaf is not a floating tensor, or ``group`` is neither ``None`` nor a
+            process group.
+        ValueError: ``max_norm`` is not a positive number.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from gradaccum.boundary import clip_by_global_norm
+        >>> clipped, norm = clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
+        >>> norm, clipped["w"]
+        (tensor(5.), tensor([0.6000, 0.8000]))
+    """
+    where = "clip_by_global_norm(grads, max_norm)"
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(
+            f"{where}: max_norm must be a positive number, got {describe(max_norm)}; pass e.g. "
+            f"max_norm=1.0."
+        )
+    check_group(where, group, _FIX)
+    leaves, spec = _leaves(where, grads)
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+    if not leaves:
+        return grads, torch.zeros((), dtype=wide)
+    device = leaves[0].device
+    with torch.no_grad():
+        norms = [n.to(device, wide) for n in torch._foreach_norm(leaves)]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if group is not None:
+            squared = (total * total).reshape(1)
+            comm = Comm(where, axes(where, group)[0], what="group=")
+            comm.wait(
+                comm.all_reduce(squared, "the norm all_reduce", "norm"), "the norm all_reduce"
+            )
+            total = squared.sqrt().reshape(())
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        out = [g * factor.to(g.device, g.dtype) for g in leaves]
+    return _tree.unflatten(spec, out), total
+
+
+class LossScaleState(NamedTuple):
+    """The dynamic loss scale between windows (a pytree: checkpoint it with the model).
+
+    Importing gradaccum registers it with ``torch.serialization.add_safe_globals``, so a
+    checkpoint holding it loads with ``torch.load(path, weights_only=True)``.
+
+    Attributes:
+        scale: Multiply the loss by this before differentiating.
+        good_steps: Consecutive finite windows since the scale last changed.
+
+    Examples:
+        >>> import io, torch, gradaccum
+        >>> state = gradaccum.boundary.LossScale(init_scale=256.0).init()
+        >>> state
+        LossScaleState(scale=256.0, good_steps=0)
+        >>> buffer = io.BytesIO()
+        >>> torch.save({"loss_scale": state}, buffer)
+        >>> _ = buffer.seek(0)
+        >>> torch.load(buffer, weights_only=True)["loss_scale"]
+        LossScaleState(scale=256.0, good_steps=0)
+    """
+
+    scale: float
+    good_steps: int
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling for float16 training, as pure functions over a state.
+
+    The state is a [`LossScaleState`][gradaccum.boundary.LossScaleState]. Multiply the loss by
+    ``state.scale`` inside the step function; at the boundary,
+    [`unscale()`][gradaccum.boundary.LossScale.unscale] divides the window's gradient by the scale
+    and decides whether it is finite. After an ``all_reduce`` sync the gradients are the same on
+    every rank, so the decision is the same everywhere: every rank skips the step or none does. The
+    rule is ``torch.amp.GradScaler``'s: halve the scale on a non-finite window, double it after
+    ``growth_interval`` finite windows in a row; but the scale never backs off below
+    ``min_scale`` (``GradScaler``'s can reach 0) nor grows to infinity.
+
+    Args:
+        init_scale: The first scale, a finite number ``>= min_scale``.
+        growth_factor: Factor applied after ``growth_interval`` finite windows, a finite
+            number ``>= 1``.
+        backoff_factor: Factor applied on a non-finite window, in ``(0, 1]``.
+        growth_interval: Finite windows in a row before the scale grows.
+        min_scale: The floor of the scale, a finite positive number. The default, ``2.0**-126``
+            (the smallest normal float32), keeps the scale and ``1 / scale`` finite in float32;
+            pass e.g. ``min_scale=1.0`` to never scale the loss down.
+
+    Raises:
+        ValueError: An argument is out of its range (the message names it), e.g. a zero,
+            negative, NaN or infinite ``init_scale``.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> scaler = gradaccum.boundary.LossScale(init_scale=1024.0)
+        >>> state = scaler.init()
+        >>> grads, finite, state = scaler.unscale({"w": torch.tensor([2048.0])}, state)
+        >>> grads["w"], finite, state
+        (tensor([2.]), True, LossScaleState(scale=1024.0, good_steps=1))
+        >>> _, finite, state = scaler.unscale({"w": torch.tensor([float("inf")])}, state)
+        >>> finite, state.scale  # skip this step; the scale backs off
+        (False, 512.0)
+
+        The scale stops at ``min_scale``:
+
+        >>> scaler = gradaccum.boundary.LossScale(init_scale=4.0, min_scale=1.0)
+        >>> state = scaler.init()
+        >>> for _ in range(5):
+        ...     _, finite, state = scaler.unscale({"w": torch.tensor([float("nan")])}, state)
+        >>> finite, state.scale
+        (False, 1.0)
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 2.0**-126
+
+    def __post_init__(self) -> None:
+        where = "LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)"
+        if not _is_number(self.init_scale) or not self.init_scale > 0:
+            raise ValueError(
+                f"{where}: init_scale must be a positive number, got {describe(self.init_scale)}; "
+                f"pass e.g. init_scale=2.0**16 (torch.amp.GradScaler's default)."
+            )
+        if not _is_number(self.growth_factor) or not 1 <= self.growth_factor < math.inf:
+            raise ValueError(
+                f"{where}: growth_factor must be a finite number >= 1, got "
+                f"{describe(self.growth_factor)}; pass e.g. growth_factor=2.0 (the default), or "
+                f"1.0 to never grow the scale."
+            )
+        if not _is_number(self.backoff_factor) or not 0 < self.backoff_factor <= 1:
+            raise ValueError(
+                f"{where}: backoff_factor must be a number in (0, 1], got "
+                f"{describe(self.backoff_factor)}; pass e.g. backoff_factor=0.5 (the default), or "
+                f"1.0 to never back off."
+            )
+        if math.isinf(self.init_scale):
+            raise ValueError(
+                f"{where}: init_scale must be a finite positive number, got "
+                f"{describe(self.init_scale)}; an infinite scale makes every scaled loss "
+                f"non-finite, so every window would be skipped. Pass e.g. init_scale=2.0**16 "
+                f"(torch.amp.GradScaler's default)."
+            )
+        interval = self.growth_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"{where}: growth_interval must be a positive int (a number of windows), got "
+                f"{describe(interval)}; pass e.g. growth_interval=2000 (the default)."
+            )
+        floor = self.min_scale
+        if not _is_number(floor) or not (0 < floor < math.inf):
+            raise ValueError(
+                f"{where}: min_scale must be a finite positive number, got {describe(floor)}; "
+                f"pass e.g. min_scale=1.0, or leave the default (2.0**-126)."
+            )
+        if self.init_scale < floor:
+            raise ValueError(
+                f"{where}: init_scale must be >= min_scale={floor!r}, got "
+                f"{describe(self.init_scale)}; pass a larger init_scale or a smaller min_scale."
+            )
+
+    def init(self) -> LossScaleState:
+        """The state before the first window."""
+        return LossScaleState(float(self.init_scale), 0)
+
+    def unscale(
+        self, grads: T, state: LossScaleState, *, group: Any = None
+    ) -> tuple[T, bool, LossScaleState]:
+        """Divide the window's gradients by the scale; decide whether to take the step.
+
+        Args:
+            grads: The window's gradients (of the scaled loss).
+            state: The current [`LossScaleState`][gradaccum.boundary.LossScaleState].
+            group: ``None``: decide from these gradients alone (enough after an ``all_reduce``
+                sync, where they are identical on every rank). A process group (or a mesh, as
+                in [`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]): also
+                agree over it with one one-element ``all_reduce`` (for gradients that differ per
+                rank, e.g. shards).
+
+        Returns:
+            ``(grads, finite, new_state)``: the unscaled gradients (new tensors), whether every
+            element is finite on every rank (skip the optimizer step when not), and the next
+            state. Reading ``finite`` synchronises with the device once per window.
+
+        Raises:
+            TypeError: A leaf is not a floating tensor, ``state`` is not a LossScaleState, or
+                ``group`` is neither ``None`` nor a process group.
+            ValueError: ``state.scale`` is not a finite positive number.
+        """
+        where = "LossScale.unscale(grads, state)"
+        if not isinstance(state, LossScaleState):
+            raise TypeError(
+                f"{where}: state must be a LossScaleState, got {describe(state)}; start with "
+                f"state = scaler.init() and pass on the state unscale() returns."
+            )
+        if not _is_number(state.scale) or not (0 < state.scale < math.inf):
+            raise ValueError(
+                f"{where}: state.scale must be a finite positive number, got "
+                f"{describe(state.scale)}; start with state = scaler.init() and pass on the "
+                f"state unscale() returns."
+            )
+        check_group(where, group, _FIX)
+        leaves, spec = _leaves(where, grads)
+        with torch.no_grad():
+            inv = 1.0 / state.scale
+            out = [g * inv for g in leaves]
+            if out:
+                device = out[0].device
+                # max |g| per leaf: NaN propagates, finite values do not overflow
+                amax = torch._foreach_norm(out, float("inf"))
+                peaks = torch.stack([m.to(device, torch.float32) for m in amax])
+                bad = (~torch.isfinite(peaks)).any().to(torch.float32).reshape(1)
+            else:
+                bad = torch.zeros(1)
+            if group is not None:
+                comm = Comm(where, axes(where, group)[0], what="group=")
+                what = "the found_inf all_reduce"
+                comm.wait(comm.all_reduce(bad, what, "found_inf", dist.ReduceOp.MAX), what)
+            finite = not bool(bad.item())
+        if finite:
+            good = state.good_steps + 1
+            if good >= self.growth_interval:
+                grown = state.scale * self.growth_factor
+                new = LossScaleState(grown if math.isfinite(grown) else state.scale, 0)
+            else:
+                new = LossScaleState(state.scale, good)
+        else:
+            new = LossScaleState(max(state.scale * self.backoff_factor, self.min_scale), 0)
+        return _tree.unflatten(spec, out), finite, new
+
+
+torch.serialization.add_safe_globals([LossScaleState])
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

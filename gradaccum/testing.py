@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _tree
-from ._accumulate import accumulate
+from ._core.accumulate import accumulate
 from ._errors import dtype_name
 
 __all__ = ["Comparison", "LeafDiff", "assert_equivalent", "assert_finite", "compare", "nonfinite"]

@@ -10,7 +10,17 @@ import gradaccum
 
 # The public submodules. A module object in gradaccum.__all__ (testing) is covered through its
 # own __all__ here; the tests check that none is left out.
-SUBMODULES = ("sync", "boundary", "compression", "privacy", "streaming", "testing", "loop")
+SUBMODULES = (
+    "sync",
+    "sharding",
+    "checkpoint",
+    "boundary",
+    "compression",
+    "privacy",
+    "streaming",
+    "testing",
+    "loop",
+)
 
 # gradaccum.__all__, exactly.
 TOP_LEVEL = (
@@ -39,10 +49,9 @@ MOVED = {
         "Bucket",
         "Collective",
         "CustomReduce",
-        "ReduceScatter",
-        "Sharded",
         "record_collectives",
     ),
+    "sharding": ("ReduceScatter", "Sharded"),
     "boundary": ("LossScale", "LossScaleState", "clip_by_global_norm"),
     "compression": ("compressed_all_reduce", "topk_all_reduce", "powersgd"),
     "privacy": ("clip_per_sample", "dp_noise"),

@@ -73,7 +73,7 @@ def _save(rank: int, world: int, folder: str) -> dict[str, Any]:
 
     sp, opt, step = _setup(0)
     _train(sp, opt, step, rank, world, range(SAVE_AFTER))
-    dcp.save({"train": gradaccum.sync.dcp_checkpoint(sp, opt)}, checkpoint_id=folder)
+    dcp.save({"train": gradaccum.checkpoint.dcp_checkpoint(sp, opt)}, checkpoint_id=folder)
     saved = _full_state(sp, opt)
     _train(sp, opt, step, rank, world, range(SAVE_AFTER, WINDOWS))
     return {"saved": saved, "final": _full_state(sp, opt)}
@@ -83,7 +83,7 @@ def _resume(rank: int, world: int, folder: str, with_opt: bool) -> dict[str, Any
     import torch.distributed.checkpoint as dcp
 
     sp, opt, step = _setup(7)  # other initial params: the checkpoint must replace them
-    ckpt = gradaccum.sync.dcp_checkpoint(sp, opt if with_opt else None)
+    ckpt = gradaccum.checkpoint.dcp_checkpoint(sp, opt if with_opt else None)
     dcp.load({"train": ckpt}, checkpoint_id=folder)
     loaded = _full_state(sp, opt) if with_opt else {}
     _train(sp, opt, step, rank, world, range(SAVE_AFTER, WINDOWS))
@@ -92,7 +92,7 @@ def _resume(rank: int, world: int, folder: str, with_opt: bool) -> dict[str, Any
     other = gradaccum.shard(mlp_params(kind="dict", seed=7), param_groups=_groups)
     before = [s.clone() for s in other.shards]
     try:
-        dcp.load({"train": gradaccum.sync.dcp_checkpoint(other)}, checkpoint_id=folder)
+        dcp.load({"train": gradaccum.checkpoint.dcp_checkpoint(other)}, checkpoint_id=folder)
         out["other layout"] = "no error"
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         out["other layout"] = f"{type(err).__name__}: {err}"
@@ -162,14 +162,14 @@ def _mid(rank: int, world: int, folder: str, policy: str, stage: str) -> dict[st
     out: dict[str, Any] = {}
     if stage == "save":
         state = _accumulate(sp, opt, acc, acc.init(sp), rank, world, range(2 * N))
-        gradaccum.sync.dcp_save(between, sp, opt, accumulator=acc, state=state)
+        gradaccum.checkpoint.dcp_save(between, sp, opt, accumulator=acc, state=state)
         state = _accumulate(sp, opt, acc, state, rank, world, range(2 * N, 2 * N + 1))
-        gradaccum.sync.dcp_save(mid, sp, opt, accumulator=acc, state=state)
+        gradaccum.checkpoint.dcp_save(mid, sp, opt, accumulator=acc, state=state)
         _accumulate(sp, opt, acc, state, rank, world, range(2 * N + 1, 4 * N))
         return {"final": _full_state(sp, opt)}
     fresh = {k: v.clone() for k, v in sp.gather().items()}
     try:
-        state = gradaccum.sync.dcp_load(mid, sp, opt, accumulator=acc)
+        state = gradaccum.checkpoint.dcp_load(mid, sp, opt, accumulator=acc)
         out["mid micro_step"] = state.micro_step
         _accumulate(sp, opt, acc, state, rank, world, range(2 * N + 1, 4 * N))
         out["mid final"] = _full_state(sp, opt)
@@ -179,7 +179,7 @@ def _mid(rank: int, world: int, folder: str, policy: str, stage: str) -> dict[st
         out["mid unchanged"] = not opt.state and all(torch.equal(now[k], fresh[k]) for k in now)
     sp, opt, _ = _setup(7)
     acc = gradaccum.Accumulator(N, sync=gradaccum.reduce_scatter(sp, policy=policy))
-    state = gradaccum.sync.dcp_load(between, sp, opt, accumulator=acc)
+    state = gradaccum.checkpoint.dcp_load(between, sp, opt, accumulator=acc)
     out["between window"] = (state.window, state.micro_step)
     _accumulate(sp, opt, acc, state, rank, world, range(2 * N, 4 * N))
     out["between final"] = _full_state(sp, opt)

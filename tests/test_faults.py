@@ -974,7 +974,7 @@ def test_no_collective_outlives_the_error(
     (their last reference must not be a gloo worker thread's). The drain uses no
     ``abort()`` or ``shutdown()`` of the group (they do nothing on gloo), so it is the same on the
     torch versions that lack them (2.4 to 2.6): simulated by deleting them."""
-    from gradaccum import _comm
+    from gradaccum._dist import comm as _comm
 
     if not torch_has_abort:
         for cls in (dist.ProcessGroup, torch._C._distributed_c10d.Backend):

@@ -238,13 +238,13 @@ def _fsdp2_mid(rank: int, world: int, folder: str, stage: str) -> dict[str, Any]
         state = run_steps(acc.init(sharded), range(3))  # window 0, and half of window 1
         model_sd, opt_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{folder}/model")
-        gradaccum.sync.dcp_save(f"{folder}/window", sharded, accumulator=acc, state=state)
+        gradaccum.checkpoint.dcp_save(f"{folder}/window", sharded, accumulator=acc, state=state)
         run_steps(state, range(3, 6))
     else:
         model_sd, opt_sd = get_state_dict(model, opt)
         dcp.load({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{folder}/model")
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
-        state = gradaccum.sync.dcp_load(f"{folder}/window", sharded, accumulator=acc)
+        state = gradaccum.checkpoint.dcp_load(f"{folder}/window", sharded, accumulator=acc)
         assert state.micro_step == 1, state.micro_step
         run_steps(state, range(3, 6))
     return {k: p.full_tensor().clone() for k, p in model.named_parameters()}

@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import gradaccum
-from gradaccum._loop_source import rng_states, set_rng_states
 from gradaccum.loop import windows
+from gradaccum.loop._source import rng_states, set_rng_states
 
 N, EPOCHS = 3, 2
 

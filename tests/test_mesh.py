@@ -62,7 +62,7 @@ def _rel(a: Any, b: Any) -> float:
     return max_diff(a, b) / scale
 
 
-def _assemble(out: gradaccum.sync.Sharded, grads: Any) -> Any:
+def _assemble(out: gradaccum.sharding.Sharded, grads: Any) -> Any:
     with torch.no_grad():
         for s, g in zip(out.shards, grads, strict=True):
             s.copy_(g)

@@ -483,10 +483,10 @@ def test_dcp_save_and_load_keep_the_metric_sums_of_a_window_in_progress(tmp_path
     loss = torch.tensor(0.1, dtype=F64)
     sharded, acc = build()
     state = acc.add(acc.init(sharded), g, size=1, metrics={"loss": loss / 3})
-    gradaccum.sync.dcp_save(str(tmp_path), sharded, accumulator=acc, state=state)
+    gradaccum.checkpoint.dcp_save(str(tmp_path), sharded, accumulator=acc, state=state)
     _, _, straight = acc.boundary(acc.add(state, g, size=1, metrics={"loss": loss}))
     sharded, acc = build()
-    state = gradaccum.sync.dcp_load(str(tmp_path), sharded, accumulator=acc)
+    state = gradaccum.checkpoint.dcp_load(str(tmp_path), sharded, accumulator=acc)
     _, _, resumed = acc.boundary(acc.add(state, g, size=1, metrics={"loss": loss}))
     assert resumed == straight
 
@@ -652,10 +652,10 @@ def test_dcp_save_and_load_keep_a_1d_metric_of_a_window_in_progress(tmp_path: An
     m = {"loss": torch.tensor(0.1, dtype=F64), "per": torch.tensor([0.5, 1.0], dtype=F64)}
     sharded, acc = build()
     state = acc.add(acc.init(sharded), g, size=1, metrics=m)
-    gradaccum.sync.dcp_save(str(tmp_path), sharded, accumulator=acc, state=state)
+    gradaccum.checkpoint.dcp_save(str(tmp_path), sharded, accumulator=acc, state=state)
     _, _, straight = acc.boundary(acc.add(state, g, size=1, metrics=m))
     sharded, acc = build()
-    state = gradaccum.sync.dcp_load(str(tmp_path), sharded, accumulator=acc)
+    state = gradaccum.checkpoint.dcp_load(str(tmp_path), sharded, accumulator=acc)
     assert state.metrics["per"].shape == (2,)
     _, _, resumed = acc.boundary(acc.add(state, g, size=1, metrics=m))
     assert resumed == straight

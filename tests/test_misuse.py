@@ -2713,7 +2713,7 @@ def snapshot(obj: Any, path: str = "ns", out: list[tuple[str, Any]] | None = Non
         else:
             data = obj.read_bytes() if obj.exists() else None
             out.append((path, ("file", None if data is None else hashlib.sha256(data).hexdigest())))
-    elif isinstance(obj, gradaccum.sync.Sharded):
+    elif isinstance(obj, gradaccum.sharding.Sharded):
         snapshot(list(obj.shards), f"{path}.shards", out)
     elif isinstance(obj, gradaccum.sync.CustomReduce):
         snapshot(obj.state, f"{path}.state", out)

@@ -24,7 +24,7 @@ from test_distributed import SPLIT, _reversed_dict, _shard
 from torch.func import grad
 
 import gradaccum
-from gradaccum import _comm  # the transport: every collective of gradaccum starts there
+from gradaccum._dist import comm as _comm  # the transport: every collective starts there
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 

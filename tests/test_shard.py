@@ -51,7 +51,7 @@ def _bad(diffs: dict[str, float], tol: float = TOL) -> dict[str, float]:
     return {k: v for k, v in diffs.items() if not v < tol}
 
 
-def _assemble(out: gradaccum.sync.Sharded, grads: Any) -> Any:
+def _assemble(out: gradaccum.sharding.Sharded, grads: Any) -> Any:
     """The full tree of gradient shards: copied into the shards of ``out``, then gathered.
 
     The shards must match ``out.shards`` in number, shape and dtype.
@@ -954,7 +954,7 @@ def test_errors_in_a_world_of_one() -> None:
         gradaccum.shard({"i": torch.arange(3)})
 
 
-def _unshard(sharded: gradaccum.sync.Sharded, grads: tuple[torch.Tensor, ...]) -> Any:
+def _unshard(sharded: gradaccum.sharding.Sharded, grads: tuple[torch.Tensor, ...]) -> Any:
     """Gradient shards as a full tree: put them in the shards a while and gather."""
     saved = [s.clone() for s in sharded.shards]
     with torch.no_grad():

@@ -152,11 +152,15 @@ def make_optimizer(sharded):
 
 import torch.distributed.checkpoint as dcp
 
-dcp.save({"train": gradaccum.sync.dcp_checkpoint(sharded, optimizer)}, checkpoint_id="ckpt/100")
+dcp.save(
+    {"train": gradaccum.checkpoint.dcp_checkpoint(sharded, optimizer)}, checkpoint_id="ckpt/100"
+)
 # later, on any number of ranks: the same params, param_groups and bucket_mb
 sharded = gradaccum.shard(params, param_groups=groups)
 optimizer = make_optimizer(sharded)
-dcp.load({"train": gradaccum.sync.dcp_checkpoint(sharded, optimizer)}, checkpoint_id="ckpt/100")
+dcp.load(
+    {"train": gradaccum.checkpoint.dcp_checkpoint(sharded, optimizer)}, checkpoint_id="ckpt/100"
+)
 
 # A window in progress, with an accumulator of the new Sharded:
 acc = gradaccum.Accumulator(n=4, sync=gradaccum.reduce_scatter(sharded, policy="every"))
@@ -164,8 +168,8 @@ params = sharded.gather()
 state = acc.init(sharded)
 g, loss = micro_grad(params, micro_batches[0])
 state = acc.add(state, g, size=len(micro_batches[0][0]))
-gradaccum.sync.dcp_save("ckpt/window", sharded, optimizer, accumulator=acc, state=state)
-state = gradaccum.sync.dcp_load("ckpt/window", sharded, optimizer, accumulator=acc)
+gradaccum.checkpoint.dcp_save("ckpt/window", sharded, optimizer, accumulator=acc, state=state)
+state = gradaccum.checkpoint.dcp_load("ckpt/window", sharded, optimizer, accumulator=acc)
 
 
 # -- whole params and optimizer state, to reshard without DCP -----------------------------------

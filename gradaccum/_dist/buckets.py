@@ -1,0 +1,162 @@
+"""Flat gradient buckets: which leaves go in which bucket, at which offset (no communication).
+
+Leaves are grouped by (device, accumulation dtype) in reverse natural order of their key paths
+(the usual backward order; the same on every rank), or in an order the ranks agreed on (the order
+their gradients became final, as DDP rebuilds its buckets), and added to a bucket until it holds
+at least ``bucket_mb`` (1 MiB for the first bucket, so that with overlap the first all-reduce
+starts early), as DDP does; a leaf is never split, so a bucket may exceed its limit by its last
+leaf. The last bucket of the widest dtype carries a two-element tail: the window's weight and a
+"this rank failed" flag.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from .._errors import dtype_name
+
+__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "cut_runs", "leaf_order", "make_plan", "starts"]
+
+TAIL = 2  # [weight, failed]
+FIRST = 2**20  # bytes: the first bucket's limit, as DDP's (so the first all-reduce starts early)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat bucket of the boundary all-reduce, as reported by a dry run.
+
+    [`AllReduce.plan()`][gradaccum.sync.AllReduce.plan] returns them, in the order they are reduced.
+
+    Attributes:
+        dtype: The bucket's dtype (the accumulation dtype of its leaves).
+        device: Where the bucket lives.
+        paths: Key paths of the gradient leaves in the bucket, in flat order.
+        numel: Elements on the wire, the two-element tail included.
+        nbytes: Bytes on the wire.
+        tail: Whether the bucket carries the window's weight and failure flag.
+        collectives: Each collective the bucket goes through in a window, as
+            ``(kind, mesh dim)``: e.g. ``(("all_reduce", None),)`` on a process group, or
+            ``(("reduce_scatter", "shard"), ("all_reduce", "replicate"))`` sharded hybrid over
+            a 2-D ``DeviceMesh`` (the dim is ``None`` for a process group given as such).
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> (bucket,) = gradaccum.all_reduce().plan({"w": torch.zeros(3, dtype=torch.float64)})
+        >>> bucket.paths, bucket.numel, bucket.nbytes, bucket.tail
+        (("['w']",), 5, 40, True)
+    """
+
+    dtype: torch.dtype
+    device: torch.device
+    paths: tuple[str, ...]
+    numel: int
+    nbytes: int
+    tail: bool
+    collectives: tuple[tuple[str, str | None], ...] = (("all_reduce", None),)
+
+
+@dataclass(frozen=True)
+class Plan:
+    buckets: tuple[Bucket, ...]
+    members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
+    offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
+    description: tuple[str, ...]  # what the fingerprint covers, one line per item
+
+
+def _natural_key(path: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key comparing the numbers in a key path as numbers: ``layers.10`` after ``layers.9``."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", path) if p)
+
+
+def leaf_order(paths: tuple[str, ...]) -> list[int]:
+    """Leaf indices in reverse natural order of their key paths (backward's usual order)."""
+    return sorted(range(len(paths)), key=lambda i: _natural_key(paths[i]), reverse=True)
+
+
+def cut_runs(idx: list[int], nbytes: list[int], cap: int) -> list[list[int]]:
+    """Cut leaves into buckets of at least ``min(FIRST, cap)`` bytes, then ``cap``; at least one."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    used, limit = 0, min(FIRST, cap)
+    for i, size in zip(idx, nbytes):
+        current.append(i)
+        used += size
+        if used >= limit:
+            runs.append(current)
+            current, used, limit = [], 0, cap
+    if current or not runs:
+        runs.append(current)
+    return runs
+
+
+def starts(lay: Any, idx: list[int]) -> tuple[int, ...]:
+    """Where each leaf of ``idx`` starts in a flat bucket of them (elements), then its size."""
+    return (0, *accumulate(lay.shapes[i].numel() for i in idx))
+
+
+def make_plan(lay: Any, cap: int, order: list[int] | None = None) -> Plan:
+    """Group leaves by (device, dtype), then fill buckets as the module docstring says.
+
+    ``order``: the leaves in the order to fill the buckets (default: ``leaf_order``).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in leaf_order(lay.paths) if order is None else order:
+        groups.setdefault((lay.devices[i], lay.accum_dtypes[i]), []).append(i)
+    cut: list[tuple[torch.device, torch.dtype, list[int]]] = []
+    for (dev, dt), idx in groups.items():
+        sizes = [lay.shapes[i].numel() * dt.itemsize for i in idx]
+        cut.extend((dev, dt, run) for run in cut_runs(idx, sizes, cap))
+    if not cut:
+        cut.append((torch.device("cpu"), torch.float64, []))
+    # The weight rides in the last bucket of the widest dtype that counts exactly.
+    wide = [k for k, (_, dt, _) in enumerate(cut) if dt in (torch.float64, torch.float32)]
+    if wide:
+        tail_k = max(wide, key=lambda k: (cut[k][1] == torch.float64, k))
+    else:  # only float16/bfloat16 accumulators: a tiny float32 bucket of its own
+        cut.append((cut[-1][0], torch.float32, []))
+        tail_k = len(cut) - 1
+    buckets, members, offsets = [], [], []
+    desc = [
+        f"params leaf {p} of shape {list(shape)} {dtype_name(dt)} accumulated in {dtype_name(adt)}"
+        for p, shape, dt, adt in zip(lay.paths, lay.shapes, lay.dtypes, lay.accum_dtypes)
+    ]
+    desc.append(f"{len(lay.paths)} params leaves")
+    if order is not None:
+        desc.append("buckets in the agreed gradient-ready order")
+    for k, (dev, dt, idx) in enumerate(cut):
+        *offs, off = starts(lay, idx)
+        total = off + (TAIL if k == tail_k else 0)
+        paths = tuple(lay.paths[i] for i in idx)
+        buckets.append(Bucket(dt, dev, paths, total, total * dt.itemsize, k == tail_k))
+        members.append(tuple(idx))
+        offsets.append(tuple(offs))
+        desc.append(
+            f"bucket {k} of {total} {dtype_name(dt)} elements"
+            f"{' with the weight' if k == tail_k else ''}"
+        )
+    return Plan(tuple(buckets), tuple(members), tuple(offsets), tuple(desc))
+
+
+def bucket_of(
+    leaves: list[torch.Tensor], offsets: tuple[int, ...], b: Bucket, numel: int | None = None
+) -> torch.Tensor | None:
+    """The flat bucket the leaves are views of (zero-copy), or None if they are not.
+
+    ``numel``: the bucket's size, if not ``b.numel`` (a tail bucket with metrics is longer).
+    """
+    if not leaves:
+        return None
+    base = leaves[0]._base
+    size = b.numel if numel is None else numel
+    if base is None or base.dim() != 1 or base.numel() != size or base.dtype != b.dtype:
+        return None
+    start, item = base.data_ptr(), base.element_size()
+    for leaf, off in zip(leaves, offsets):
+        if leaf._base is not base or leaf.data_ptr() != start + off * item:
+            return None
+    return base

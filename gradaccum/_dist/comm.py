@@ -1,0 +1,471 @@
+"""The transport: every collective gradaccum issues, with its timeout enforced by the backend.
+
+On CPU tensors (gloo) the timeout goes into the collective's own options
+(``AllreduceOptions.timeout`` and the like), so the backend fails the collective itself, on
+every kind: ``Work.wait(timeout)`` is not enough (gloo ignores it for reduce-scatter, and a
+collective left pending makes a late peer block in it); docs/sync.md ("A dead or stuck peer")
+has the user's side. On accelerators (NCCL) a collective past its own timeout makes the
+watchdog end the process, so there the timeout stays on ``Work.wait``, which NCCL honours.
+
+No collective outlives its failure. A gloo collective runs in one of the backend's worker threads
+until it completes or its own timeout fires, whether or not anyone still waits for it, and torch
+cannot stop it (the gloo backend's ``abort()`` and ``shutdown()`` do nothing, up to torch 2.13 at
+least). So the CPU collectives a ``Comm`` starts are kept until they are waited for, and when one
+fails every other one of the group is waited for to its end before the error is raised (see
+[`drain()`][gradaccum.sync.Comm.drain]): a worker thread that finishes one while the interpreter
+finalizes aborts the process ("terminate called without an active exception").
+
+[`Comm`][gradaccum.sync.Comm] writes each mechanism once for every sync. (All all-reduces go
+through the module function ``all_reduce``, which tests replace to watch them.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import re
+import weakref
+from collections.abc import Iterator
+from itertools import zip_longest
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from .. import _metrics
+from .._errors import GradAccumError, describe, mark_broken, misaligned
+from .buckets import TAIL
+from .mesh import Axis, axis
+from .record import record
+
+__all__ = [
+    "Check",
+    "Comm",
+    "Probe",
+    "bucket_what",
+    "check_options",
+    "check_timeout",
+    "fill_tail",
+    "in_flight",
+    "positive",
+    "settle",
+]
+
+
+def _options(opts: Any, timeout: float | None, tensor: torch.Tensor) -> Any:
+    if timeout is not None and tensor.device.type == "cpu":
+        opts.timeout = datetime.timedelta(seconds=timeout)
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return opts
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: Any, timeout: float | None, op: Any = dist.ReduceOp.SUM
+) -> Any:
+    """Start an in-place all-reduce of ``tensor`` over ``group``."""
+    opts = _options(c10d.AllreduceOptions(), timeout, tensor)
+    opts.reduceOp = op
+    pg: Any = dist.group.WORLD if group is None else group
+    return pg.allreduce([tensor], opts)
+
+
+# The collectives on CPU tensors that a Comm started and nobody has waited for yet, per process
+# group (weakly keyed: the entry goes with the group). Comm.drain() waits for them after a failure.
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+# The collectives that Comm.drain() waited out, kept until their group is freed (or the interpreter
+# clears this module), so that the last reference to each is dropped here, holding the GIL. Were
+# it the worker thread's, it would free the collective's tensors itself, and a tensor whose Python
+# object is gone takes the GIL to free it: during finalization CPython stops such a thread inside
+# the C++ destructor, and the process aborts ("terminate called without an active exception").
+_ABANDONED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def in_flight(group: Any) -> list[Any]:
+    """The CPU collectives started on ``group`` through a ``Comm`` and not yet waited for."""
+    return [w for w in _IN_FLIGHT.get(group, ()) if not w.is_completed()]
+
+
+FINGERPRINT = "the fingerprint exchange with the other ranks"
+WINDOW = "window index "  # the first line of a window's description: the window's index
+Check = Literal["fingerprint", "full", "never"]
+CHECKS = ("fingerprint", "full", "never")
+
+
+def check_options(where: str, check: object, timeout: object, overlap: object = True) -> None:
+    """Validate the options every sync shares: ``check``, ``timeout``, ``overlap``."""
+    if not isinstance(check, str) or check not in CHECKS:
+        raise ValueError(
+            f"{where}: check must be one of {', '.join(map(repr, CHECKS))}, got "
+            f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
+            f"trees agree in every window), 'full' (a debug mode) or 'never'."
+        )
+    check_timeout(where, timeout)
+    if not isinstance(overlap, bool):
+        raise TypeError(
+            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
+        )
+
+
+def check_timeout(where: str, timeout: object) -> None:
+    """Validate ``timeout``: None, or a positive, finite number of seconds."""
+    if timeout is not None and not positive(timeout):
+        raise ValueError(
+            f"{where}: timeout must be None or a positive, finite number of seconds, got "
+            f"{describe(timeout)}; pass e.g. timeout=60."
+        )
+
+
+def positive(x: object) -> bool:
+    """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
+
+
+class Probe(NamedTuple):
+    """A fingerprint exchange in flight."""
+
+    work: Any
+    tensor: torch.Tensor
+    desc: tuple[str, ...]
+
+
+class Comm:
+    """A sync's process group for one window: collectives that log and name themselves.
+
+    Every collective goes through here: it is recorded for
+    [`record_collectives()`][gradaccum.sync.record_collectives], started with the sync's
+    timeout set on the collective itself, and a failure (a dead or late peer, a timeout) becomes
+    a [`GradAccumError`][gradaccum.GradAccumError] that names the call, the collective and the
+    rank, and marks the group broken (the error path then does not wait on it again). Before
+    that error is raised, every other collective started on the group has ended
+    ([`drain()`][gradaccum.sync.Comm.drain]), so the caller may catch it and exit normally.
+
+    Args:
+        where: The call shape that failures are reported against (e.g.
+            ``"accumulate(loss, n=4)(...)"``); may be changed later (``comm.where = ...``).
+        group: A process group, ``None`` for the default group, or a 1-D ``DeviceMesh`` (its
+            group; the collectives are recorded with its dim name).
+        timeout: Seconds after which each collective fails; ``None``: the group's timeout.
+        check: ``"fingerprint"``, ``"full"`` or ``"never"``, as in
+            [`all_reduce()`][gradaccum.all_reduce].
+        what: How the sync calls itself when torch.distributed is missing.
+        window: The [`Window`][gradaccum.sync.Window] whose boundary this is, or ``None``;
+            [`Window.connect()`][gradaccum.sync.Window.connect] passes it. Its fingerprint then
+            covers the window's index and metric names, and
+            [`exchange()`][gradaccum.sync.Comm.exchange] carries its metric sums.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: This process is not a member of ``group``, or ``group`` is a mesh of more
+            than one dim.
+
+    Examples:
+        >>> import torch, torch.distributed as dist, gradaccum
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> comm = gradaccum.sync.Comm("my_sync", None, timeout=60)
+        >>> t = torch.ones(3)
+        >>> comm.wait(comm.all_reduce(t, "my bucket", "gradients"), "my bucket")
+        >>> comm.drain()  # what a failure does first: wait until nothing is in flight on the group
+        >>> comm.rank, comm.world, t
+        (0, 1, tensor([1., 1., 1.]))
+        >>> comm.settle(comm.exchange(torch.device("cpu"), 5, False), "mean")
+        5.0
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(
+        self,
+        where: str,
+        group: Any,
+        timeout: float | None = None,
+        check: str = "fingerprint",
+        what: str = "sync=all_reduce()",
+        window: Any = None,
+    ) -> None:
+        self.where, self.timeout, self.check = where, timeout, check
+        # Weakly: a window holds its Comm; a cycle would keep its buckets alive until a GC pass.
+        self.window: Any = weakref.proxy(window) if window is not None else None
+        group, self.dim = group if isinstance(group, Axis) else axis(where, group)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{where}: {what} needs torch.distributed initialised, but no process "
+                f"group exists; call torch.distributed.init_process_group(...) first (torchrun "
+                f"sets the environment for it), or drop sync= to train in one process."
+            )
+        pg: Any = dist.group.WORLD if group is None else group
+        rank = -1 if pg is dist.GroupMember.NON_GROUP_MEMBER else dist.get_rank(pg)
+        if rank < 0:
+            raise ValueError(
+                f"{where}: this process (global rank {dist.get_rank()}) is not a member of the "
+                f"sync group {group_name(pg)}; build the sync with a group this rank belongs to "
+                f"(every rank must call dist.new_group with the same ranks)."
+            )
+        self.group, self.rank, self.world = pg, rank, dist.get_world_size(pg)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, what: str, purpose: str, op: Any = dist.ReduceOp.SUM
+    ) -> Any:
+        """Start an in-place sum (or ``op``) of ``tensor`` over the group."""
+        record("all_reduce", self.group, tensor.dtype, tensor.numel(), purpose, self.dim)
+        with self.failing(what):
+            return self.started(all_reduce(tensor, self.group, self.timeout, op), tensor)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
+        """Start a sum of ``inp`` over the group, this rank's chunk of it into ``out``."""
+        record("reduce_scatter", self.group, inp.dtype, inp.numel(), purpose, self.dim)
+        opts = _options(c10d.ReduceScatterOptions(), self.timeout, inp)
+        opts.reduceOp = dist.ReduceOp.SUM
+        with self.failing(what):
+            return self.started(self.group._reduce_scatter_base(out, inp, opts), inp)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
+        """Start gathering every rank's ``inp`` into ``out``, in rank order."""
+        record("all_gather", self.group, out.dtype, out.numel(), purpose, self.dim)
+        opts = _options(c10d.AllgatherOptions(), self.timeout, inp)
+        with self.failing(what):
+            return self.started(self.group._allgather_base(out, inp, opts), inp)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str, purpose: str) -> Any:
+        """Start a broadcast of ``tensor`` from rank ``src``."""
+        record("broadcast", self.group, tensor.dtype, tensor.numel(), purpose, self.dim)
+        opts = _options(c10d.BroadcastOptions(), self.timeout, tensor)
+        opts.rootRank, opts.rootTensor = src, 0
+        with self.failing(what):
+            return self.started(self.group.broadcast([tensor], opts), tensor)
+
+    def started(self, work: Any, tensor: torch.Tensor) -> Any:
+        """Keep ``work``, a collective just started on ``tensor``, until it is waited for."""
+        if tensor.device.type == "cpu":  # a gloo worker thread runs it
+            works = _IN_FLIGHT.setdefault(self.group, [])
+            works[:] = [w for w in works if not w.is_completed()]  # waited for elsewhere
+            works.append(work)
+        return work
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
+        with self.failing(what):
+            if self.timeout is None:
+                work.wait()
+            else:  # the collective fails by itself after its timeout; this bound is a second line
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        works = _IN_FLIGHT.get(self.group)
+        if works:
+            works[:] = [w for w in works if w is not work]
+
+    def drain(self) -> None:
+        """Wait until every CPU collective started on the group through a ``Comm`` has ended.
+
+        Called when a collective failed, before its error is raised: the others are then
+        abandoned, but each still runs in a gloo worker thread until it completes or fails (at
+        most its own timeout after it starts; at once when the failure closed the peer's
+        connection, as a timeout or a dead peer does). Once they have ended, nothing of
+        gradaccum's runs in the backend, so the caller may catch the error, destroy the group and
+        let the interpreter exit normally. They stay referenced until the group is freed, so that
+        no worker thread frees them (which takes the GIL: fatal while the interpreter finalizes).
+
+        The group's ``abort()`` and ``shutdown()`` cannot do this: the gloo backend's do nothing
+        (up to torch 2.13 at least), and torch 2.4 to 2.6 do not have them. This uses neither,
+        so it is the same on every supported torch. Collectives on accelerators are not kept
+        (NCCL's own watchdog handles them).
+        """
+        works = _IN_FLIGHT.pop(self.group, [])
+        for work in works:
+            with contextlib.suppress(RuntimeError):  # its failure is this error's, or a sequel
+                work.wait()  # no bound needed: the collective's own timeout ends it
+        _ABANDONED.setdefault(self.group, []).extend(works)  # see _ABANDONED: not freed here
+
+    @contextlib.contextmanager
+    def failing(self, what: str) -> Iterator[None]:
+        """Turn a failed collective (``RuntimeError`` from the backend) into ``broken``'s error."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise self.broken(what, err) from err
+
+    def broken(self, what: str, err: Exception) -> GradAccumError:
+        """The error for a failed collective ``what``; the group is marked broken and drained.
+
+        Every other collective started on the group has ended when this returns
+        ([`drain()`][gradaccum.sync.Comm.drain]).
+        """
+        mark_broken(self.group)
+        self.drain()
+        limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return GradAccumError(
+            f"{self.where}: {what} failed on rank {self.rank}: {cause}. A peer process died, "
+            f"failed before the boundary, or did not reach it in time (timeout: {limit}); every "
+            f"rank must call the accumulated function the same number of times. The process "
+            f"group cannot be reused: destroy it and restart from a checkpoint."
+        )
+
+    def lines(self, desc: tuple[str, ...]) -> tuple[str, ...]:
+        """``desc`` after the lines of the window's index and metric names (if bound to one)."""
+        if self.window is None:
+            return desc
+        spec = self.window.spec
+        names = (_metrics.line(spec),) if spec.metrics else ()
+        epoch = f" of epoch {spec.epoch}" if spec.epoch else ""
+        return (f"{WINDOW}{spec.index}{epoch}", *names, *desc)
+
+    def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
+        """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
+
+        ``desc`` describes what the collectives depend on, one line per item; the window's index
+        and metric names come first (for a ``Comm`` made by ``Window.connect``). ``None`` with
+        ``check="never"``. Wait for it with [`agree()`][gradaccum.sync.Comm.agree] before any
+        collective whose size depends on what ``desc`` describes.
+        """
+        if self.check == "never":
+            return None
+        desc = self.lines(desc)
+        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
+        h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
+        tensor = torch.tensor([h, -h], dtype=torch.int64, device=device)
+        work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
+        return Probe(work, tensor, desc)
+
+    def agree(self, probe: Probe | None, subject: str = "gradients to synchronise") -> None:
+        """Wait for a fingerprint exchange; when the ranks differ, raise naming the difference.
+
+        With ``check="full"`` the descriptions themselves are compared (a debug mode that does
+        not rely on the 62-bit hash). On a mismatch every rank raises
+        [`GradAccumError`][gradaccum.GradAccumError] and no collective of the window was sent.
+        """
+        if probe is None:
+            return
+        self.wait(probe.work, FINGERPRINT)
+        hi, neg_lo = probe.tensor.tolist()
+        if hi == -neg_lo and self.check != "full":
+            return
+        self.compare(probe.desc, subject)
+
+    def compare(self, desc: tuple[str, ...], subject: str = "gradients to synchronise") -> None:
+        """Gather every rank's ``desc``; if any differs, raise naming the first difference.
+
+        A collective: every rank of the group calls it. Ranks at different windows (the first
+        line of a window's ``desc``) get a message of their own, whatever else differs.
+        """
+        gathered: list[Any] = [None] * self.world
+        record("all_gather_object", self.group, torch.uint8, 0, "fingerprint", self.dim)
+        dist.all_gather_object(gathered, desc, group=self.group)
+        at = [_window_of(d) for d in gathered]
+        if None not in at and len(set(at)) > 1:
+            mark_broken(self.group)
+            raise GradAccumError(misaligned(self.where, self.rank, at))
+        diffs = []
+        for r, other in enumerate(gathered):
+            if r == self.rank or other == desc:
+                continue
+            mine, theirs = first_diff(desc, other)
+            diffs.append(f"rank {self.rank} has {mine} but rank {r} has {theirs}")
+        if not diffs:
+            return
+        mark_broken(self.group)  # so the error path joins no boundary of differing buckets
+        options, done = (
+            ("bucket_mb and param_groups", "sharded")
+            if subject == "params to shard"
+            else ("reduction, sync options and (where it sets the collectives) n", "reduced")
+        )
+        raise GradAccumError(
+            f"{self.where}: the ranks disagree on the {subject}: {'; '.join(diffs)}. Every rank "
+            f"must pass params with the same key paths, shapes and dtypes, and the same "
+            f"{options}; nothing was {done}."
+        )
+
+    def exchange(
+        self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
+    ) -> list[float]:
+        """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums.
+
+        Bound to a window (``Window.connect``), the window's metric sums travel in the same
+        all-reduce, and their totals over the ranks go to ``window.totals``.
+        """
+        m = _metrics.width(self.window.spec) if self.window is not None else 0
+        tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
+        fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
+        self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
+        out = list(tail.tolist())
+        if self.window is not None:
+            self.window.totals = (out[0], out[TAIL : TAIL + m])
+        return out[:TAIL] + out[TAIL + m :]
+
+    def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
+        """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.
+
+        Raises [`GradAccumError`][gradaccum.GradAccumError] when another rank failed in the
+        window (this one did not), and ``ValueError`` when a mean has nothing to divide by.
+        """
+        return settle(self.where, self.world, self.rank, tail, reduction, failed)
+
+
+def settle(
+    where: str, world: int, rank: int, tail: list[float], reduction: str, failed: bool = False
+) -> float:
+    """[`Comm.settle`][gradaccum.sync.Comm.settle] for a group of ``world`` ranks."""
+    total, n_failed = tail[0], tail[1]
+    if n_failed and not failed:
+        raise GradAccumError(
+            f"{where}: {int(n_failed)} other rank(s) of the {world} in the group raised an "
+            f"error during this window (rank {rank} did not); no gradient is returned on any "
+            f"rank. The cause is in the failing rank's traceback."
+        )
+    if not failed and reduction != "sum" and total <= 0:
+        raise ValueError(
+            f"{where}: the window's {'counts' if reduction == 'count' else 'rows'} add up to "
+            f"{total:g} over all {world} ranks, so there is no mean to divide by; skip windows "
+            f"with no items on any rank (e.g. all padding), or use reduction='sum'."
+        )
+    return float(total)
+
+
+def bucket_what(kind: str, buckets: Any, k: int, noun: str = "bucket") -> str:
+    """How a failure names the ``kind`` collective of bucket ``k`` (its bytes and dtype)."""
+    b = buckets[k]
+    return (
+        f"the {kind} of {noun} {k + 1}/{len(buckets)} ({b.nbytes} bytes of "
+        f"{str(b.dtype).removeprefix('torch.')})"
+    )
+
+
+def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) -> None:
+    """Write ``[weight, failed, *metrics]`` into ``tail`` (no host sync); zeros for the rest.
+
+    ``metrics``: tensors (0-dim, or 1-D: their elements in turn).
+    """
+    if isinstance(weight, torch.Tensor):
+        tail[:1].copy_(weight.reshape(1))
+    else:
+        tail[0] = weight
+    tail[1] = 1.0 if failed else 0.0
+    if len(tail) > TAIL:  # the window's metric sums (zeros for those not given: a failed rank)
+        rest = tail[TAIL:]
+        rest.zero_()
+        if metrics:
+            flat = torch.cat([m.reshape(-1) for m in metrics])
+            rest[: len(flat)].copy_(flat)
+
+
+def _window_of(desc: Any) -> str | None:
+    """The window (``"5"``, ``"5 of epoch 1"``) in a gathered description's first line, or None."""
+    line = desc[0] if isinstance(desc, (tuple, list)) and desc else None
+    if isinstance(line, str) and re.fullmatch(rf"{WINDOW}\d+( of epoch \d+)?", line):
+        return line[len(WINDOW) :]
+    return None
+
+
+def group_name(group: Any) -> str:
+    """How messages name a process group."""
+    if group is None or group is dist.group.WORLD:
+        return "the default group"
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here)"
+    return f"{getattr(group, 'group_name', '?')!r}"
+
+
+def first_diff(mine: tuple[str, ...], theirs: Any) -> tuple[str, str]:
+    """The first differing line of two descriptions, phrased for an error message."""
+    theirs = tuple(theirs) if isinstance(theirs, (tuple, list)) else (repr(theirs),)
+    return next((a, b) for a, b in zip_longest(mine, theirs, fillvalue="nothing there") if a != b)

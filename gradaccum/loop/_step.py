@@ -1,0 +1,613 @@
+"""``gradaccum.loop.Step``: a module's micro-steps and its boundary, one optimizer step a window.
+
+``Step`` is the plain PyTorch accumulation loop (each micro-batch's loss scaled by its share of
+the window, ``backward()``, one ``optimizer.step()``, ``scheduler.step()``,
+``zero_grad(set_to_none=True)``) run on an [`Accumulator`][gradaccum.Accumulator]. What the
+plain loop decides from ``.grad`` travels in the boundary collective that already carries the
+window's weight, as metrics (no collective of its own, no host sync per micro-batch):
+
+- ``used``: per trainable parameter, the micro-batches whose loss reached it (a 1-D metric).
+  A parameter with a count of 0 over every rank keeps ``.grad`` ``None``, as in the plain loop
+  (and under DDP, for a parameter unused on every rank): weight decay and momentum leave it,
+  and the optimizer grows no state for it.
+- ``saves``: ``[1, c, c**2]`` for the ``c`` calls of ``loop.save`` on the rank since the last
+  boundary. Summed over the ranks, ``ranks * sum(c**2) == sum(c)**2`` exactly when every rank
+  saved as often, which every rank reads from the same totals, so all of them raise together.
+- ``loss``, ``micro_batches``: the window's statistics (``StepStats``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from .. import _metrics, _reduce, _tree
+from .._core.accumulator import Accumulator
+from .._core.protocol import check_sync
+from .._core.state import AccumState
+from .._dist.comm import positive
+from .._errors import GradAccumError, describe
+from ..boundary import clip_by_global_norm
+from ._data import Windows
+from ._source import run_token
+from ._state import kind, optimizer_params, prepare
+
+__all__ = ["FORMAT", "Step", "StepStats"]
+
+FORMAT = "gradaccum.loop.Step/2"
+OPEN = 2**31 - 1  # the windows end where the data says (Step.apply), not at a fixed n
+_MASKS = 256  # the used-patterns kept on the device (each one is copied there once)
+
+
+class StepStats(NamedTuple):
+    """What [`Step.apply()`][gradaccum.loop.Step.apply] reports about the window it closed.
+
+    The sums are over every micro-batch of every rank, read from the boundary collective that
+    already reduces the gradients.
+
+    Attributes:
+        window: The index of the window (the optimizer step), from 0.
+        loss: The window's global loss: the mean over its rows (``reduction="mean"``), over
+            its counted items (``"count"``: e.g. tokens), or the sum (``"sum"``).
+        items: The rows (``"mean"``, ``"sum"``) or counted items (``"count"``) of the window.
+        micro_batches: The window's micro-batches, all ranks together.
+        grad_norm: The global 2-norm of the window's gradient, before clipping.
+        lr: The learning rate of the optimizer's first parameter group for this step.
+        seconds: Wall time since the previous window closed (or the first micro-batch).
+
+    Examples:
+        >>> from gradaccum.loop import StepStats
+        >>> stats = StepStats(3, 2.5, 1000.0, 8, 0.9, 1e-3, 0.5)
+        >>> stats.items_per_s
+        2000.0
+    """
+
+    window: int
+    loss: float
+    items: float
+    micro_batches: int
+    grad_norm: float
+    lr: float
+    seconds: float
+
+    @property
+    def items_per_s(self) -> float:
+        """Throughput: ``items`` (tokens under ``"count"``) per second of the window."""
+        return self.items / self.seconds if self.seconds > 0 else math.inf
+
+
+def _rows(where: str, batch: Any, reduction: str) -> int:
+    """A micro-batch's rows: the size of dim 0 shared by every tensor leaf with a dim."""
+    leaves = [x for x in _tree.flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+    rule = f"under reduction={reduction!r} a micro-batch " + (
+        "weighs its rows" if reduction == "mean" else "counts its rows (StepStats.items)"
+    )
+    fix = (
+        f"return (loss, rows) from the loss function, rows the number of examples its "
+        f"{reduction} covers (e.g. (loss, len(batch['input_ids'])))"
+    )
+    if not leaves:
+        raise ValueError(
+            f"{where}: {rule}, the size of dim 0 of its tensors, but this one has no tensor "
+            f"with a dim; {fix}."
+        )
+    rows = leaves[0].shape[0]
+    if all(x.shape[0] == rows for x in leaves):
+        return int(rows)
+    paths, values, _ = _tree.flatten_with_paths(batch)
+    sized = [
+        (k, x.shape[0])
+        for k, x in zip(paths, values)
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+    ]
+    (pa, ra), (pb, rb) = sized[0], next(kr for kr in sized if kr[1] != rows)
+    raise ValueError(
+        f"{where}: {rule}, the size of dim 0 shared by its tensors, but they disagree: "
+        f"batch{pa} has {ra} along dim 0 and batch{pb} has {rb}, so the rows are not known; "
+        f"{fix}."
+    )
+
+
+def _takes_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: stepped without one
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
+
+
+class Step:
+    """One training step of a ``torch.nn.Module``, accumulated over a window of micro-batches.
+
+    [`add(batch)`][gradaccum.loop.Step.add] runs one micro-batch: ``loss(model, batch)``, its
+    backward (into the window's running sums of an [`Accumulator`][gradaccum.Accumulator]), and
+    the loss into the window's statistics. [`apply()`][gradaccum.loop.Step.apply] closes the
+    window: the boundary (one collective under a sync, which also carries the statistics),
+    clipping, ``.grad``, ``optimizer.step()``, exactly one ``scheduler.step()``, and the
+    gradients set to ``None``.
+
+    The model and optimizer end up as the plain PyTorch loop over the same micro-batches leaves
+    them (in one process over the whole window of every rank): each micro-batch's loss scaled
+    by its share of the window, ``backward()``, then ``clip_grad_norm_``, ``optimizer.step()``,
+    ``scheduler.step()`` and ``zero_grad(set_to_none=True)``. That holds for any module,
+    BatchNorm and dropout included (the forwards are the same, in the same order), and for:
+
+    - **Unused parameters.** A parameter that no micro-batch of any rank reached keeps ``.grad``
+      ``None`` (as under DDP for a globally unused one), so the optimizer skips it: no weight
+      decay, no momentum, no state. One that some micro-batch reached gets its exact gradient
+      on every rank.
+    - **The weight of a micro-batch.** Under ``reduction="mean"`` a micro-batch weighs its
+      rows: the size of dim 0 shared by every tensor in it that has a dim (``x`` and ``y``
+      alike). A batch whose tensors disagree on dim 0 (a per-class weight of another length),
+      or that has no tensor with a dim, is refused: return ``(loss, rows)`` from the loss
+      function. Under ``"count"`` the loss function returns the count; under ``"sum"`` the
+      weight is the rows (or the ``rows`` returned) and only counts ``StepStats.items``.
+    - **Schedulers that take a metric** (``ReduceLROnPlateau``, or any ``step`` with a required
+      argument) are stepped with the window's global loss, ``StepStats.loss``.
+    - **Parameters frozen or unfrozen** (``requires_grad``) between windows: each window trains
+      the parameters trainable when it starts. Changing ``requires_grad`` in the middle of a
+      window is refused at the next ``add``. Ranks that disagree raise at the boundary.
+      (Parameters added to the model after the ``Step`` was built are not seen: build a new
+      one.)
+
+    Args:
+        model: The module to train, not wrapped in ``DistributedDataParallel`` (the sync does
+            what DDP would). Its trainable parameters are those with ``requires_grad``.
+        loss: ``loss(model, batch)``: the micro-batch's loss from a forward of ``model``.
+            Under ``reduction="mean"``, the mean over the micro-batch's rows (see above; or
+            return ``(loss, rows)``); under ``"sum"``, the sum; under ``"count"``,
+            ``(summed_loss, count)``, e.g. the summed token loss and the number of tokens: the
+            window's gradient is then that of the loss summed over all micro-batches and ranks
+            divided by the total count.
+        optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
+        data: The [`Windows`][gradaccum.loop.Windows] that feed this step, or ``None``. Its
+            sync is then the step's (``sync=`` may be left out), and an error while reading a
+            micro-batch on one rank makes this rank join the boundary flagged as failed, so
+            that every other rank raises [`GradAccumError`][gradaccum.GradAccumError] in
+            ``apply()`` instead of waiting for the process group's timeout. A ``Windows``
+            feeds one step: the last one built with it.
+        scheduler: An LR scheduler of ``optimizer``, stepped once per window (with the
+            window's loss if its ``step`` takes a metric); or ``None``.
+        clip: Clip the window's gradient to this global 2-norm
+            ([`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]); ``None``: no
+            clipping.
+        reduction: ``"mean"``, ``"sum"`` or ``"count"``, as for
+            [`Accumulator`][gradaccum.Accumulator].
+        sync: ``None`` (one process, or ``data``'s sync), [`all_reduce()`][gradaccum.all_reduce],
+            a [`custom_reduce()`][gradaccum.custom_reduce] (compression, DP noise), or your own
+            sync whose boundary returns whole gradients. Not a
+            [`reduce_scatter()`][gradaccum.reduce_scatter]: it returns shards.
+        accum_dtype: The dtype of the running sums (default as for ``Accumulator``).
+
+    Raises:
+        TypeError: An argument has the wrong type (a ``DistributedDataParallel`` model, a loss
+            that is not callable, a sync that is not one, ``data`` that is not a ``Windows``).
+        ValueError: ``clip`` is not positive, the scheduler is not ``optimizer``'s, the model
+            has no trainable parameters, the sync is a reduce-scatter, or ``sync`` and
+            ``data``'s sync are different objects.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from gradaccum.loop import Step
+        >>> torch.manual_seed(0)
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> def mse(model, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.mse_loss(model(x), y)
+        >>> step = Step(model, mse, opt, clip=1.0)
+        >>> x, y = torch.randn(6, 3), torch.randn(6, 1)
+        >>> before = mse(model, (x, y)).item()  # the whole batch's loss
+        >>> for rows in (slice(0, 4), slice(4, 6)):  # micro-batches of 4 and 2 rows
+        ...     step.add((x[rows], y[rows]))
+        >>> stats = step.apply()
+        >>> stats.window, stats.items, stats.micro_batches, abs(stats.loss - before) < 1e-6
+        (0, 6.0, 2, True)
+
+        With the data: ``data = gradaccum.loop.windows(loader, 4, sync=sync)`` and
+        ``Step(model, mse, opt, data=data)``, then ``for window in data: ...``.
+    """
+
+    state: AccumState[dict[str, torch.Tensor]]  # the Accumulator's window in progress
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: Callable[[torch.nn.Module, Any], Any],
+        optimizer: torch.optim.Optimizer,
+        *,
+        data: Any = None,
+        scheduler: Any = None,
+        clip: float | None = None,
+        reduction: _reduce.Reduction = "mean",
+        sync: Any = None,
+        accum_dtype: torch.dtype | None = None,
+    ) -> None:
+        where = "Step(model, loss, optimizer, ...)"
+        if not isinstance(model, torch.nn.Module) or hasattr(model, "no_sync"):
+            raise TypeError(
+                f"{where}: model must be a torch.nn.Module that is not wrapped in "
+                f"DistributedDataParallel, got {describe(model)}; pass the module itself "
+                f"(model.module of a DDP model) and sync=gradaccum.all_reduce()."
+            )
+        if not callable(loss):
+            raise TypeError(
+                f"{where}: loss must be a function loss(model, batch), got {describe(loss)}; "
+                f"pass e.g. lambda model, batch: F.mse_loss(model(batch[0]), batch[1])."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{where}: optimizer must be a torch.optim.Optimizer, got "
+                f"{describe(optimizer)}; pass e.g. torch.optim.AdamW(model.parameters())."
+            )
+        if data is not None and not isinstance(data, Windows):
+            raise TypeError(
+                f"{where}: data must be None or what gradaccum.loop.windows(...) returned, got "
+                f"{describe(data)}; pass data=gradaccum.loop.windows(loader, n, sync=sync)."
+            )
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                f"{where}: scheduler must be None or an LR scheduler (with a step() method), "
+                f"got {describe(scheduler)}; pass e.g. torch.optim.lr_scheduler.LambdaLR(...)."
+            )
+        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError(
+                f"{where}: the scheduler is not the optimizer's (scheduler.optimizer is another "
+                f"optimizer), so it would not change this optimizer's learning rate; build it "
+                f"on the optimizer given here."
+            )
+        if clip is not None and not positive(clip):
+            raise ValueError(
+                f"{where}: clip must be None or a positive, finite number (the largest global "
+                f"gradient norm), got {describe(clip)}; pass e.g. clip=1.0."
+            )
+        given = getattr(data, "sync", None)
+        if sync is None:
+            sync = given
+        elif given is not None and given is not sync:
+            raise ValueError(
+                f"{where}: sync= and data= name different syncs: sync is {describe(sync)} at "
+                f"{id(sync):#x}, data.sync (the sync given to windows(...)) is "
+                f"{describe(given)} at {id(given):#x}; pass the same sync object to both, or "
+                f"leave out sync= here (the step then takes data's)."
+            )
+        check_sync(where, sync)
+        if hasattr(sync, "sharded"):
+            raise ValueError(
+                f"{where}: sync is a reduce_scatter, whose boundary returns this rank's "
+                f"gradient shards, which Step cannot write into the module's .grad; use "
+                f"gradaccum.Accumulator with the Sharded (docs/sharded.md), or "
+                f"sync=gradaccum.all_reduce()."
+            )
+        self.model, self.loss, self.optimizer, self.scheduler = model, loss, optimizer, scheduler
+        self.clip, self.reduction, self.sync, self.data = clip, reduction, sync, data
+        self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
+        if sync is not None:
+            run_token()  # the checkpoints' run token, read while every rank is surely there
+        self._plateau = scheduler is not None and _takes_metric(scheduler)
+        self._saves = 0  # loop.save calls since the last boundary (carried in its exchange)
+        self._since: float | None = None
+        self._names: list[str] = []
+        self._params: list[torch.nn.Parameter] = []
+        # Every parameter of the model (as built) and its requires_grad when the window started:
+        # read at each add, without walking the modules.
+        self._every = list(model.named_parameters())
+        self._flags = [p.requires_grad for _, p in self._every]
+        self._zeros: list[torch.Tensor | None] = []
+        self._masks: dict[Any, torch.Tensor] = {}
+        self._train(where, fresh=True)
+        hooks = getattr(data, "_on_error", None)
+        if isinstance(hooks, list):  # one step per data: a step built before is let go
+            hooks[:] = [h for h in hooks if not isinstance(getattr(h, "__self__", None), Step)]
+            hooks.append(self._failed_data)
+
+    # -- the trainable parameters ----------------------------------------------------------------
+
+    def _metric_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The window's metrics: see the module notes."""
+        return {"loss": (), "micro_batches": (), "saves": (3,), "used": (len(self._names),)}
+
+    def _train(self, where: str, fresh: bool) -> None:
+        """Make the parameters with ``requires_grad`` now those of the window that starts."""
+        named = [(k, p) for (k, p), on in zip(self._every, self._flags) if on]
+        if not named:
+            raise ValueError(
+                f"{where}: the model has no trainable parameters (none with requires_grad); "
+                f"unfreeze what you mean to train."
+            )
+        old = None if fresh else self.state
+        if old is not None and old.reduce_state is not None:
+            raise ValueError(
+                f"{where}: the trainable parameters (requires_grad) changed since the last "
+                f"window, but the sync keeps a state between windows shaped like the old ones "
+                f"(its custom reduction's, e.g. error feedback), which would not fit; keep "
+                f"requires_grad fixed with this sync, or build a new sync and Step after "
+                f"changing it. Nothing was changed."
+            )
+        self._names = [k for k, _ in named]
+        self._params = [p for _, p in named]
+        self._zeros = [None] * len(named)
+        self._masks = {}
+        state = self.acc.init({k: p.detach() for k, p in named}, metrics=self._metric_shapes())
+        self.state = state if old is None else state._replace(window=old.window, epoch=old.epoch)
+        self._device = _metrics.device_of(self.state.layout)
+
+    def _follow(self, where: str) -> None:
+        """Before a micro-batch (or an empty window's boundary): follow ``requires_grad``.
+
+        At a window's start the window trains the parameters trainable now; in the middle of
+        one, a change is refused, naming the parameter.
+        """
+        flags = [p.requires_grad for _, p in self._every]
+        if flags == self._flags:
+            return
+        if self.state.micro_step == 0:
+            before = self._flags
+            self._flags = flags
+            try:
+                self._train(where, fresh=False)
+            except BaseException:
+                self._flags = before
+                raise
+            return
+        k, now = next(
+            (k, now) for (k, _), now, was in zip(self._every, flags, self._flags) if now != was
+        )
+        raise ValueError(
+            f"{where}: the parameter {k!r} was {'unfrozen' if now else 'frozen'} "
+            f"(requires_grad={now}) in the middle of window {self.window}, after "
+            f"{self.micro_step} micro-batch(es); change requires_grad between windows (after "
+            f"step.apply()), where the step follows it as a plain loop would. This micro-batch "
+            f"was not added."
+        )
+
+    # -- the window ------------------------------------------------------------------------------
+
+    @property
+    def window(self) -> int:
+        """The index of the window in progress (the optimizer steps taken so far)."""
+        return self.state.window
+
+    @property
+    def micro_step(self) -> int:
+        """The micro-batches this rank added to the window in progress."""
+        return self.state.micro_step
+
+    def _split(self, where: str, out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
+        """The loss to differentiate and its weight (rows or count), checked."""
+        if self.reduction == "count":
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise TypeError(
+                    f"{where}: with reduction='count' the loss function must return "
+                    f"(summed_loss, count), got {describe(out)}; return e.g. "
+                    f"(loss_sum, (labels != -100).sum())."
+                )
+            value, weight = out
+        elif isinstance(out, (tuple, list)) and len(out) == 2:
+            value, weight = out
+        else:
+            value, weight = out, _rows(where, batch, self.reduction)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise TypeError(
+                f"{where}: the loss must be a 0-dim tensor, got {describe(value)}; reduce it "
+                f"(loss.mean() or .sum())."
+            )
+        if not value.requires_grad:
+            raise ValueError(
+                f"{where}: the loss does not depend on the model's trainable parameters (it "
+                f"does not require grad); compute it from model(...), outside torch.no_grad()."
+            )
+        return value, weight
+
+    def _zero(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s gradient where the loss did not reach it (no memory of its own)."""
+        z = self._zeros[i]
+        if z is None:
+            p = self._params[i]
+            z = self._zeros[i] = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+        return z
+
+    def _on_device(self, key: Any, values: tuple[float, ...]) -> torch.Tensor:
+        """``values`` as a tensor on the sums' device, copied there once per ``key``.
+
+        The copy is from pinned memory on CUDA, so it does not wait for the device either.
+        """
+        t = self._masks.get(key)
+        if t is None:
+            if len(self._masks) >= _MASKS:
+                self._masks.clear()
+            dtype = torch.float32 if self._device.type == "mps" else torch.float64
+            host = torch.tensor(values, dtype=dtype)
+            if self._device.type == "cuda":
+                host = host.pin_memory()
+            t = self._masks[key] = host.to(self._device, non_blocking=True)
+        return t
+
+    def _with_saves(self, state: Any, saves: int) -> Any:
+        """``state`` with this rank's ``[1, saves, saves**2]`` in its sums, for the boundary."""
+        c = float(saves)
+        sums = dict(state.metrics or {})
+        sums["saves"] = self._on_device(("saves", c), (1.0, c, c * c))
+        return state._replace(metrics=dict(sorted(sums.items())))
+
+    def add(self, batch: Any) -> None:
+        """Run one micro-batch: the loss, its backward into the window's sums, its statistics.
+
+        On an error (in the loss, say) under a sync, this rank joins the window's boundary
+        flagged as failed, so that every other rank raises instead of waiting, and the error
+        is re-raised. Without a sync the micro-batch is left out and the window goes on.
+
+        Raises:
+            TypeError: The loss function returned the wrong kind (see ``loss`` of
+                [`Step`][gradaccum.loop.Step]).
+            ValueError: The loss does not require grad, its rows or count are out of range or
+                not known (the batch's tensors disagree on dim 0), or a parameter was frozen
+                or unfrozen in the middle of the window.
+        """
+        where = "Step.add(batch)"
+        if self._since is None:
+            self._since = time.perf_counter()
+        try:
+            self._follow(where)
+            value, weight = self._split(where, self.loss(self.model, batch), batch)
+            grads = torch.autograd.grad(value, self._params, allow_unused=True)
+            used = tuple(g is not None for g in grads)
+            tree = {
+                k: g if g is not None else self._zero(i)
+                for i, (k, g) in enumerate(zip(self._names, grads))
+            }
+            summed = value.detach() * weight if self.reduction == "mean" else value.detach()
+            metrics = {
+                "loss": summed,
+                "micro_batches": 1,
+                # zeros: apply() puts this rank's count there (the same width: the buckets of the
+                # window's sums hold the tail the boundary sends)
+                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
+                "used": self._on_device(used, used),
+            }
+            if self.reduction == "count":
+                self.state = self.acc.add(self.state, tree, count=weight, metrics=metrics)
+            else:
+                self.state = self.acc.add(self.state, tree, size=weight, metrics=metrics)
+        except BaseException:
+            if self.sync is not None:
+                self.state = self.acc.abort(self._with_saves(self.state, self._saves))
+                self._saves = 0
+            raise
+
+    def _failed_data(self, err: BaseException) -> None:
+        """``data``'s callback: reading a micro-batch raised ``err`` on this rank.
+
+        Under a sync this rank joins the window's boundary flagged as failed (the other ranks
+        raise in ``apply()``); ``data`` re-raises ``err`` after.
+        """
+        if self.sync is not None:
+            self.state = self.acc.abort(self._with_saves(self.state, self._saves))
+            self._saves = 0
+
+    def apply(self) -> StepStats:
+        """Close the window: boundary, clip, ``.grad``, one optimizer and scheduler step.
+
+        Every rank calls it once per window (under a sync, a rank whose window is empty too).
+        A parameter that no micro-batch of any rank reached keeps ``.grad`` ``None``.
+
+        Returns:
+            The window's [`StepStats`][gradaccum.loop.StepStats].
+
+        Raises:
+            ValueError: The window is empty on every rank, or its rows or counts add up to 0.
+            GradAccumError: Under a sync: the ranks disagree (on the trainable parameters, or
+                on how many times they called ``loop.save`` in the window: then the optimizer
+                has not stepped on any rank), another rank failed, or a collective failed or
+                timed out (see ``Accumulator.finalize``).
+        """
+        where = "Step.apply()"
+        if self.state.micro_step == 0:  # an empty window trains what the other ranks' do
+            self._follow(where)
+        saves, names, params = self._saves, self._names, self._params
+        self._saves = 0
+        try:
+            # Accumulator.boundary, its errors named after this call (not Accumulator(n=...)).
+            closed = self.acc._close(where, self._with_saves(self.state, saves), "apply()", True)
+            grads, self.state, totals = closed
+        except TypeError as err:
+            if "did not report the window's totals" not in str(err):
+                raise
+            raise TypeError(
+                "Step.apply(): the sync's window reports no totals at the boundary, so the "
+                "window's loss and tokens are not known: in your sync's Window, exchange the "
+                "weight through self.connect(...) (see gradaccum.sync.Window.connect), or use "
+                "gradaccum.Accumulator with finalize()."
+            ) from err
+        m = totals.metrics
+        ranks, calls, squares = cast(list[float], m["saves"])
+        if ranks * squares != calls * calls:
+            raise GradAccumError(
+                f"{where}: the ranks called gradaccum.loop.save a different number of times in "
+                f"window {totals.window} (this rank {saves}; {calls:g} calls over {ranks:g} "
+                f"ranks), so the checkpoint is not the same point on every rank. Every rank "
+                f"must reach each save: decide it from the window alone (if window.index == "
+                f"save_at: loop.save(path, step)). The optimizer did not step, on any rank."
+            )
+        items, loss_sum = totals.weight, cast(float, m["loss"])
+        micro = round(cast(float, m["micro_batches"]))
+        if self.clip is not None:
+            grads, norm = clip_by_global_norm(grads, self.clip)
+        else:
+            leaves = _tree.flatten(grads)[0]
+            wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+            norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
+            norm = torch.linalg.vector_norm(torch.stack(norms))
+        for k, p, count in zip(names, params, cast(list[float], m["used"])):
+            g = grads[k]
+            p.grad = None if count == 0 else g if g.dtype == p.dtype else g.to(p.dtype)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        loss = loss_sum if self.reduction == "sum" else loss_sum / items
+        self.optimizer.step()
+        if self.scheduler is not None:
+            if self._plateau:
+                self.scheduler.step(loss)
+            else:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        now = time.perf_counter()
+        seconds, self._since = now - (self._since or now), now
+        return StepStats(totals.window, loss, items, micro, float(norm), lr, seconds)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model, optimizer, scheduler and the window in progress (its running sums).
+
+        Besides their state dicts it records what a resume must match: the optimizer's and the
+        scheduler's classes, the model's parameter names in each optimizer group, and the
+        reduction. Safe for ``torch.load(..., weights_only=True)``; tensors are copies or the
+        module's own (``model.state_dict()``), as ``torch.save`` expects.
+        """
+        return {
+            "format": FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_kind": kind(self.optimizer),
+            "optimizer_params": optimizer_params(self.model, self.optimizer),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scheduler_kind": None if self.scheduler is None else kind(self.scheduler),
+            "reduction": self.reduction,
+            "accumulator": self.acc.state_dict(self.state),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what [`state_dict()`][gradaccum.loop.Step.state_dict] saved (bit-identical).
+
+        All or nothing: everything is checked against this step (and the window in progress
+        rebuilt) before the model, optimizer, scheduler or window change; a refused state
+        changes none of them.
+
+        Raises:
+            ValueError: The state is not a ``Step.state_dict()`` of this version, or its model
+                (names, shapes, dtypes), optimizer (class, parameter groups), scheduler or
+                reduction is not this step's; the message names the difference.
+            GradAccumError: The state is damaged, or its window in progress does not load.
+        """
+        sd = state_dict
+        where = "Step.load_state_dict(state_dict)"
+        if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+            got = sd.get("format") if isinstance(sd, dict) else None
+            if isinstance(got, str) and got.startswith("gradaccum.loop.Step/"):
+                raise ValueError(
+                    f"{where}: the state has format {got!r}, but this gradaccum reads "
+                    f"{FORMAT!r}; load it with the gradaccum version that saved it."
+                )
+            raise ValueError(
+                f"{where}: expected a dict with format {FORMAT!r}, got {describe(sd)}; pass "
+                f"what Step.state_dict() returned."
+            )
+        prepare(where, self, sd)()

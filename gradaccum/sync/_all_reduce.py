@@ -1,0 +1,397 @@
+"""Data-parallel sync: the window's sums live in flat buckets, all-reduced at the boundary.
+
+The running sums are views into `_buckets`' flat buckets, all-reduced in place, one collective
+per bucket; docs/sync.md ("What gradaccum does instead") describes the mechanism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .. import _metrics, _tree
+from .._core.protocol import Sync, Window, WindowSpec
+from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
+from .._dist.comm import Check, Probe, bucket_what, check_options, fill_tail, positive
+from .._dist.mesh import axis, check_group
+from .._errors import describe, is_broken, is_mesh
+from .._layout import make_layout
+
+__all__ = ["AllReduce", "Bucket", "all_reduce"]
+
+
+@dataclass(frozen=True, eq=False)
+class AllReduce(Sync):
+    """Data-parallel synchronisation at the accumulation boundary.
+
+    Make one with [`all_reduce()`][gradaccum.all_reduce] and pass it as ``sync=`` to
+    [`accumulate()`][gradaccum.accumulate] or [`Accumulator`][gradaccum.Accumulator]. See
+    [`all_reduce()`][gradaccum.all_reduce] for the options and the contract. It caches the
+    bucket plan of each gradient layout, and keeps the flat buckets between windows (reused
+    only once no tensor shares their memory), so build it once and reuse it for every window.
+
+    Examples:
+        >>> import gradaccum
+        >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)
+        AllReduce(group=None, bucket_mb=50.0, check='fingerprint', timeout=120.0, overlap=True)
+    """
+
+    group: Any = None
+    bucket_mb: float = 25.0
+    check: Check = "fingerprint"
+    timeout: float | None = None
+    overlap: bool = True
+    _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
+    _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
+    # The last total weight of a mean window per layout: the next window's Window.hint.
+    _totals: dict[Any, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Flat buckets kept between windows, as DDP keeps its buckets (see BucketWindow.storage).
+    _spare: dict[Any, Spare] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
+        """The buckets the boundary would all-reduce for gradients shaped like ``params``.
+
+        A dry run: nothing is communicated and torch.distributed need not be initialised. After
+        a window on the fast path with ``overlap``, the buckets are those of the next window:
+        in the order the gradients became final (see [`all_reduce()`][gradaccum.all_reduce]).
+
+        Args:
+            params: The params pytree (the gradients' shape).
+            accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
+
+        Returns:
+            The [`Bucket`][gradaccum.sync.Bucket]s, in the order they are reduced.
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> sync = gradaccum.all_reduce(bucket_mb=1)
+            >>> params = {"w": torch.zeros(300_000), "b": torch.zeros(10)}
+            >>> [(b.paths, b.numel) for b in sync.plan(params)]
+            [(("['w']",), 300000), (("['b']",), 12)]
+        """
+        where = "AllReduce.plan(params)"
+        buckets = self._plan(make_layout(where, params, accum_dtype)).buckets
+        dim = axis(where, self.group).dim if is_mesh(self.group) else None
+        return tuple(replace(b, collectives=(("all_reduce", dim),)) for b in buckets)
+
+    def _plan(self, lay: Any) -> Plan:
+        """The plan for a gradient layout (cached)."""
+        plan = self._plans.get(lay)
+        if plan is None:
+            plan = self._plans[lay] = make_plan(lay, int(self.bucket_mb * 2**20))
+        return plan
+
+    def open(self, spec: WindowSpec) -> Window:
+        """A window whose running sums are views into this sync's flat buckets."""
+        return BucketWindow(self, spec)
+
+
+class BucketWindow(Window):
+    """One window of an all-reduce sync: fingerprint, buckets in plan order, the tail last."""
+
+    def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
+        super().__init__(spec)
+        self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
+        # The first fast window with overlap records the order the sums become final; at its
+        # boundary the ranks agree on it and the next windows' buckets follow it.
+        self.reorder = sync.overlap and spec.fast and spec.layout not in sync._ordered
+        self.seen: list[int] = []
+        self.tail_k = next(k for k, b in enumerate(self.plan.buckets) if b.tail)
+        self.extra = _metrics.width(spec)  # the tail's metric sums, after [weight, failed]
+        self.order = [k for k in range(len(self.plan.buckets)) if k != self.tail_k] + [self.tail_k]
+        self.probe: Probe | None = None
+        self.own: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # storage()'s
+        # The fast path under "mean" divides each backward by the last window's total weight,
+        # which every rank has from the same all-reduce; finish() scales by hint / total, which
+        # is 1 (no pass over the gradients) while the global batch keeps its size. Decided from
+        # the spec alone, so an empty rank, whose fast path does not run, decides the same.
+        self.hinted = spec.fast and spec.reduction == "mean" and spec.layout.wide
+        if self.hinted:
+            self.hint = sync._totals.get(spec.layout)
+        self.opened = False
+        self.sealed = False  # the tail holds the final weight and "no failure" (seal)
+        self.bufs: list[torch.Tensor | None] = []
+        self.works: list[Any] = []  # in launch order
+
+    def storage(self, zero: bool) -> list[torch.Tensor]:
+        """Views into flat buckets (zeroed, or uninitialised) that nothing else references.
+
+        The buckets of an earlier window are reused once no tensor holds their memory any more
+        (the gradients it returned, and the ``.grad`` that ``write_grads`` set from them, have
+        been dropped): a storage's reference count says so. Otherwise new ones are allocated.
+        """
+        plan = self.plan
+        key = (self.layout, self.extra)
+        spare = self.sync._spare.get(key)
+        if spare is None or spare.plan is not plan:
+            spare = self.sync._spare[key] = Spare(plan, self.layout, self.extra)
+        bufs = spare.take()
+        if zero:
+            for buf in bufs:
+                buf.zero_()
+        views: list[torch.Tensor] = [torch.empty(0)] * len(self.layout.shapes)
+        for buf, members, metas in zip(bufs, plan.members, spare.metas):
+            if members:
+                for i, v in zip(members, torch._C._nn.unflatten_dense_tensors(buf, metas)):
+                    views[i] = v
+        self.own = (bufs, views)
+        return views
+
+    def last(self) -> None:
+        """Open the boundary: start the fingerprint; find the buckets the sums are views of."""
+        if self.opened:
+            return
+        self.opened = True
+        self.comm = self.connect(self.sync.group, self.sync.timeout, self.sync.check)
+        if self.sums is None:  # an empty window still joins, with zero weight
+            self.sums = self.storage(zero=True)
+        plan, sums = self.plan, self.sums
+        extra: tuple[str, ...] = ()
+        if self.spec.agree_n:
+            extra = (f"n={self.spec.n} micro-batches per window",)
+        if self.reorder:
+            extra += ("the bucket order is agreed at this boundary",)
+        desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
+        self.probe = self.comm.probe(desc, plan.buckets[0].device)
+        own = self.own
+        if own is not None and all(a is b for a, b in zip(sums, own[1])):
+            self.bufs = list(own[0])  # the views storage() made: no need to check them
+        else:
+            self.own = None
+            self.bufs = [
+                bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
+                for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
+            ]
+        self.remaining = [len(m) for m in plan.members]
+        self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
+
+    def seal(self, weight: Any) -> None:
+        """The weight is final: fill the tail now, so that ``ready`` launches its bucket too.
+
+        The last bucket then starts as the backward ends, as DDP's does, not after it returns.
+        """
+        tail_buf = self.bufs[self.tail_k] if self.bufs else None
+        if tail_buf is None or self.extra:  # restored sums, or metrics still to come
+            return
+        fill_tail(tail_buf[-TAIL:], weight, False, ())
+        self.sealed = True
+
+    def ready(self, i: int) -> None:
+        """Leaf ``i``'s sum is final: launch every bucket that is now ready, in order."""
+        if self.reorder:
+            self.seen.append(i)
+        k = self.bucket_of_leaf[i]
+        self.remaining[k] -= 1
+        if self.remaining[k] == 0:
+            while len(self.works) < len(self.order) - (0 if self.sealed else 1):
+                nxt = self.order[len(self.works)]
+                if self.remaining[nxt] > 0 or self.bufs[nxt] is None:
+                    break
+                self._launch(nxt)
+
+    def _launch(self, k: int) -> None:
+        if self.probe is not None:  # the ranks' buckets must agree before the first one
+            probe, self.probe = self.probe, None
+            self.comm.agree(probe)
+        buf = self.bufs[k]
+        assert buf is not None
+        what = bucket_what("boundary all_reduce", self.plan.buckets, k)
+        self.works.append(self.comm.all_reduce(buf, what, "gradients"))
+
+    def finish(self, weight: Any, failed: bool = False) -> Any:
+        """Launch what is left (the weight and failure flag in the tail), wait, normalise."""
+        self.last()
+        self.comm.where = self.where
+        plan, sums, packed = self.plan, self.sums, []
+        assert sums is not None
+        with torch.no_grad():
+            for k, b in enumerate(plan.buckets):
+                if self.bufs[k] is None:  # the sums are not views of one bucket (restored)
+                    size = b.numel + self.extra * b.tail
+                    buf = self.bufs[k] = torch.empty(size, dtype=b.dtype, device=b.device)
+                    for i, off in zip(plan.members[k], plan.offsets[k]):
+                        buf[off : off + sums[i].numel()].copy_(sums[i].reshape(-1))
+                    packed.append((k, buf))
+            tail_buf = self.bufs[self.tail_k]
+            assert tail_buf is not None
+            tail = tail_buf[-TAIL - self.extra :]
+            if len(self.works) < len(self.order):  # the tail bucket is not sent yet
+                fill_tail(tail, weight, failed, self.metrics)
+            while len(self.works) < len(self.order):
+                self._launch(self.order[len(self.works)])
+            for k, work in zip(self.order, self.works):
+                self.comm.wait(work, bucket_what("boundary all_reduce", plan.buckets, k))
+            for k, buf in packed:
+                for i, off in zip(plan.members[k], plan.offsets[k]):
+                    sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
+            summed = tail.tolist()
+            total = self.comm.settle(summed, self.spec.reduction, failed)
+            self.totals = (total, summed[TAIL:])
+            if self.hinted and not failed:
+                # Reached on every rank or on none (settle raises where another rank failed).
+                self.sync._totals[self.layout] = total
+            if self.reorder and not failed:
+                self._agree_order()
+        return self.normalised(total)
+
+    def normalised(self, total: Any) -> Any:
+        """As ``Window.normalised``; the sums in this window's own buckets are divided flat.
+
+        With a ``hint``, the sums were divided by it already: they are scaled by hint / total.
+        """
+        lay = self.layout
+        if self.hint:
+            total = total / self.hint
+        if self.own is None or not lay.same_dtypes or self.spec.reduction == "sum":
+            return super().normalised(total)
+        with torch.no_grad():
+            if not (isinstance(total, (int, float)) and total == 1):
+                torch._foreach_div_(self.own[0], total)  # the tails too: read already
+        return _tree.unflatten(lay.spec, self.own[1])
+
+    def _agree_order(self) -> None:
+        """Re-plan the buckets in the order the sums became final, agreed over the ranks.
+
+        Each rank sends each leaf's position in its own order (the leaves without a gradient
+        last); the ranks sort the leaves by the summed positions, ties in key-path order, so all
+        of them get the same plan. One all-reduce of one number per leaf, once per layout (none
+        in a group of one).
+        """
+        lay, sync = self.layout, self.sync
+        pos = [float(len(lay.paths))] * len(lay.paths)
+        for p, i in enumerate(self.seen):
+            pos[i] = float(p)
+        agreed = pos
+        if self.comm.world > 1:
+            sums = torch.tensor(pos, dtype=torch.float64, device=self.plan.buckets[0].device)
+            what = "the bucket order all_reduce"
+            self.comm.wait(self.comm.all_reduce(sums, what, "bucket order"), what)
+            agreed = sums.tolist()
+        rank = {i: r for r, i in enumerate(leaf_order(lay.paths))}
+        order = sorted(rank, key=lambda i: (agreed[i], rank[i]))
+        sync._plans[lay] = make_plan(lay, int(sync.bucket_mb * 2**20), order)
+        sync._ordered.add(lay)
+
+    def abort(self, weight: Any) -> None:
+        """Join the boundary flagged as failed, unless a collective of the group failed."""
+        if not is_broken(self.sync.group):
+            self.finish(weight, failed=True)
+
+
+class Spare:
+    """The flat buckets of a plan kept between windows.
+
+    At most two sets: the caller may still hold one while the next window runs.
+    """
+
+    def __init__(self, plan: Plan, lay: Any, extra: int) -> None:
+        self.plan, self.extra = plan, extra  # extra: the tail bucket's metric sums
+        self.sets: list[tuple[list[torch.Tensor], list[int]]] = []  # buffers, their ref counts
+        # Shape-only tensors for each bucket's members, to cut the views in one call.
+        self.metas = [
+            [torch.empty(lay.shapes[i], device="meta") for i in members] for members in plan.members
+        ]
+
+    def take(self) -> list[torch.Tensor]:
+        """A set of buffers nothing else references, or a new one."""
+        for bufs, counts in self.sets:
+            if all(_refs(b) == c for b, c in zip(bufs, counts)):
+                return bufs
+        bufs = [
+            torch.empty(b.numel + self.extra * b.tail, dtype=b.dtype, device=b.device)
+            for b in self.plan.buckets
+        ]
+        if len(self.sets) < 2:
+            self.sets.append((bufs, [_refs(b) for b in bufs]))
+        return bufs
+
+
+def _refs(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s memory (views and detached copies included)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def all_reduce(
+    group: Any = None,
+    *,
+    bucket_mb: float = 25.0,
+    check: Check = "fingerprint",
+    timeout: float | None = None,
+    overlap: bool = True,
+) -> AllReduce:
+    """Average (or sum) accumulated gradients over a process group, once per window.
+
+    Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
+    [`Accumulator`][gradaccum.Accumulator]. Inside a window nothing is communicated; at the
+    boundary the window's running sums, which already live in flat contiguous buckets, are
+    summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
+    place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
+    bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
+    tokens per rank, and a rank with an empty window contributes zero weight. The metrics of
+    [`Accumulator.add()`][gradaccum.Accumulator.add] travel there too.
+
+    Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
+    ``layers.9``), the same on every rank. With ``overlap`` and a step function made by
+    [`grad()`][gradaccum.grad] (or a ``torch.func`` one), the first window also records the order
+    in which the gradients become final during the last backward; at its boundary the ranks
+    agree on that order (one all-reduce of one number per leaf, once per gradient layout) and
+    the later windows fill their buckets in it, as DDP rebuilds its buckets after the first
+    iteration, so that the first bucket's all-reduce starts early in the backward
+    ([how](../sync.md#what-gradaccum-does-instead)).
+
+    Args:
+        group: The process group, or a 1-D ``DeviceMesh`` (its group); ``None`` for the
+            default (world) group.
+        bucket_mb: Bucket size in MiB: as in DDP, a bucket takes leaves until it holds at least
+            ``bucket_mb`` (the first bucket of each dtype closes at 1 MiB). Fewer, larger
+            buckets mean fewer collectives; more buckets, more overlap.
+        check: ``"fingerprint"`` (default): in every window, before its first bucket, the
+            ranks exchange a fingerprint of their window index, key paths, shapes, dtypes,
+            reduction, buckets and metric names (one 16-byte all-reduce); a mismatch raises
+            [`GradAccumError`][gradaccum.GradAccumError] on every rank, naming the difference
+            (ranks at [different windows](../sync.md#ranks-at-different-windows) get a message
+            of their own), before any gradient is sent. ``"full"`` also compares the whole
+            descriptions (a debug mode); ``"never"`` skips it, and then nothing is checked:
+            neither the trees nor the windows ([why](../sync.md#mismatched-gradient-trees)).
+        timeout: Seconds after which each of the sync's collectives fails (the timeout is set
+            on the collective itself, so every backend and kind enforces it), raising
+            [`GradAccumError`][gradaccum.GradAccumError]; ``None`` uses the process group's
+            timeout.
+        overlap: With a step function made by [`grad()`][gradaccum.grad] or
+            [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
+            during the last backward, as soon as its gradients are final; ``False`` starts them
+            all after the backward ([how](../sync.md#overlap-with-the-last-backward)).
+
+    Returns:
+        An [`AllReduce`][gradaccum.sync.AllReduce]; its
+        [`plan()`][gradaccum.sync.AllReduce.plan] reports the buckets without communicating.
+
+    Raises:
+        ValueError: ``bucket_mb`` is not positive, ``check`` is not one of its names, or
+            ``timeout`` is not positive.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> sync = gradaccum.all_reduce(bucket_mb=25)
+        >>> [b.numel for b in sync.plan({"w": torch.zeros(4, 3), "b": torch.zeros(4)})]
+        [18]
+
+    See Also:
+        [`record_collectives()`][gradaccum.sync.record_collectives] to count what is communicated.
+    """
+    where = "all_reduce(group, bucket_mb=..., check=..., timeout=...)"
+    if not positive(bucket_mb):
+        raise ValueError(
+            f"{where}: bucket_mb must be a positive, finite number of MiB, got "
+            f"{describe(bucket_mb)}; "
+            f"pass e.g. bucket_mb=25 (DDP's default)."
+        )
+    check_options(where, check, timeout, overlap)
+    check_group(where, group)
+    axis(where, group)  # a mesh of more than one dim is refused here, not at the first window
+    return AllReduce(
+        group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
+    )
