@@ -318,9 +318,13 @@ def test_fsdp2_mixed_precision_policy_is_honoured_or_refused() -> None:
 def step_model(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(8, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(8, 32),
+        nn.Tanh(),
+        nn.Dropout(dropout),
+        nn.Linear(32, 32),
+        nn.Tanh(),
         nn.Linear(32, 1),
-    ).to(DEVICE, torch.float64)  # fmt: skip
+    ).to(DEVICE, torch.float64)
 
 
 def mse(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -470,6 +474,44 @@ def test_the_fast_path_does_not_sync_before_the_last_micro_batch(sync: str) -> N
             step(target, batch)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def _step_and_data(n: int) -> tuple[Step, list[Any]]:
+    model = step_model()
+    step = Step(
+        model, mse, torch.optim.SGD(model.parameters(), lr=0.01), sync=gradaccum.all_reduce()
+    )
+    return step, micro_batches(n)
+
+
+@cuda_only
+def test_loop_step_add_in_the_middle_of_a_window_does_not_sync() -> None:
+    n = 4
+    step, data = _step_and_data(n)
+    for _ in range(2):
+        step.add(data[0])
+        with SyncErrors():
+            for batch in data[1:]:
+                step.add(batch)
+        step.apply()
+
+
+@cuda_only
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="issue 28 (1): Step.add syncs at a window's first micro-batch: its metric "
+    "micro_batches=1 (a Python number) becomes a device tensor by torch.tensor(v, device=...) "
+    "in gradaccum/_metrics.py add() (first=True), a host-to-device copy",
+)
+def test_loop_step_add_at_a_window_start_does_not_sync() -> None:
+    n = 4
+    step, data = _step_and_data(n)
+    for batch in data:  # window 0: the step's device-side constants are made once
+        step.add(batch)
+    step.apply()
+    with SyncErrors():
+        step.add(data[0])
 
 
 def _sleep_then(fn: Callable[[], Any]) -> float:
