@@ -147,7 +147,8 @@ def versions() -> dict[str, Any]:
         "backend": C.backend,
     }
     if C.cuda:
-        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         out["device_name"] = torch.cuda.get_device_name(C.device)
         out["memory_gib"] = round(torch.cuda.get_device_properties(C.device).total_memory / 2**30)
         torch.cuda.synchronize()
@@ -421,9 +422,6 @@ def syncs(small: bool) -> dict[str, Any]:
 def host_blocking(params: Any, loss_fn: Any, batch: Any, n: int) -> dict[str, float]:
     """Host ms of a mid-window ``Accumulator.add`` behind a 200 ms kernel (~0: it does not wait)."""
     out: dict[str, float] = {}
-    if not C.cuda:
-        say("(host blocking behind a kernel: CUDA only)")
-        return out
     g = torch.func.grad(loss_fn)(params, batch)
     for timeout in (None, 30.0):
         for kind in ("all_reduce", "reduce_scatter every", "reduce_scatter boundary"):
@@ -446,7 +444,8 @@ def host_blocking(params: Any, loss_fn: Any, batch: Any, n: int) -> dict[str, fl
                 state = acc.add(state, g, size=len(batch[0]))
             acc.finalize(state)
             out[f"{kind} timeout={timeout}"] = round(took, 2)
-    say("host ms of a mid-window Accumulator.add behind a 200 ms kernel (~200: it waited):")
+    behind = "a 200 ms kernel (~200: it waited)" if C.cuda else "nothing (CPU: no kernel)"
+    say(f"host ms of a mid-window Accumulator.add behind {behind}:")
     table(["sync", "host ms"], [[k, v] for k, v in out.items()])
     return out
 
@@ -669,14 +668,25 @@ def child(mode: str) -> None:
             sleep_ms(5000)
             t0 = time.perf_counter()
             comm.wait(comm.all_reduce(t, "a probe bucket", "gradients"), "a probe bucket")
-        else:  # a whole window with all_reduce(timeout=1) queued behind a 5 s kernel
+        else:  # a window with all_reduce(timeout=1) behind a 5 s kernel: queued before the
+            # window (step), or at the last micro-batch's forward (step_late: the buckets
+            # launched in its backward wait behind it)
             params, loss_fn, batch = mlp(256, 2)
+            calls = [0]
+
+            def loss(p: Any, b: Any) -> torch.Tensor:
+                calls[0] += 1
+                if mode == "step_late" and calls[0] == 4:  # window 2, micro-batch 2 of 2
+                    sleep_ms(5000)
+                return loss_fn(p, b)
+
             step = gradaccum.accumulate(
-                gradaccum.grad(loss_fn), 2, sync=gradaccum.all_reduce(timeout=1.0)
+                gradaccum.grad(loss), 2, sync=gradaccum.all_reduce(timeout=1.0)
             )
             step(params, batch)
             sync_device()
-            sleep_ms(5000)
+            if mode == "step":
+                sleep_ms(5000)
             t0 = time.perf_counter()
             step(params, batch)
         print(f"CHILD no error after {time.perf_counter() - t0:.2f} s", flush=True)
@@ -698,18 +708,23 @@ def child(mode: str) -> None:
 
 def timeouts() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    runs = [("comm_wait", {}), ("step", {}), ("step", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})]
+    runs = [
+        ("comm_wait", {}),
+        ("comm_wait", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
+        ("step", {}),
+        ("step_late", {}),
+    ]
     for mode, extra in runs:
         name = f"{mode} {' '.join(f'{k}={v}' for k, v in extra.items()) or '(default env)'}"
         env = {**os.environ, **extra}
         cmd = [sys.executable, __file__, "--child", mode] + ([] if C.cuda else ["--cpu"])
         t = time.perf_counter()
         try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=45)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
             rc: Any = r.returncode
             text = r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:
-            rc, text = "timeout after 45 s", f"{e.stdout or ''}{e.stderr or ''}"
+            rc, text = "timeout after 30 s", f"{e.stdout or ''}{e.stderr or ''}"
         lines = [ln for ln in str(text).splitlines() if ln.strip()]
         said = [ln for ln in lines if ln.startswith("CHILD")]
         say(f"{name}: rc={rc} (negative: killed by that signal) in {time.perf_counter() - t:.1f} s")
