@@ -1,0 +1,793 @@
+"""The device check of issue 28: the ``gpu`` suite and the measurements, in one call.
+
+    python benchmarks/gpu_check.py              # CUDA + NCCL (world size 1); < 4 min on an H100
+    python benchmarks/gpu_check.py --cpu        # CPU + gloo, a tiny model: a smoke test
+    python benchmarks/gpu_check.py --out r.json # also write r.json and r.log ($OUT/gpu_check.json
+                                                # by default when $OUT is set)
+
+Without CUDA it runs as ``--cpu``. Sections, each guarded (a failing one prints ``FAIL`` and the
+script goes on):
+
+1. ``suite``: ``pytest -m gpu tests/test_gpu.py`` in a subprocess, its summary.
+2. ``syncs``: host syncs per window, counted by ``torch.cuda.set_sync_debug_mode("warn")``
+   (CUDA), and host reads located by wrapping ``Tensor.item``/``tolist``/``__bool__``/
+   ``__float__``/``__int__``/``cpu``/``numpy`` and ``torch.tensor``/``as_tensor(device=...)``
+   (on both devices; on CPU this proxy is all there is). Each is marked ``bwd`` when it ran inside
+   a backward (an autograd engine frame on the stack, or the engine's device thread). For the
+   all-reduce fast path, reduce-scatter (both policies), each with and without ``timeout=``,
+   ``Accumulator.add``/``finalize`` and ``loop.Step``; and the host time of a mid-window
+   ``Accumulator.add`` queued behind a 200 ms kernel (a blocking wait shows as ~200 ms).
+3. ``lm``: a GPT-2-small-sized causal LM (12 layers, d=768, 12 heads, vocab 50257; micro-batch
+   8 x 512 tokens), fp32 params under ``torch.autocast(bfloat16)``, AdamW (fused), n = 1, 4, 16:
+   the hand-written ``(loss / n).backward()`` loop, DDP (NCCL, world size 1) with ``no_sync``
+   but on the last micro-batch, and ``accumulate(grad_and_value(loss), n, has_aux=True,
+   sync=all_reduce())`` + ``write_grads``, interleaved round-robin, median ms/step; the peak
+   memory of each step; the compute floor (n x one micro-batch's forward and backward).
+4. ``timeout``: children with ``timeout=1`` behind a 5 s kernel: does a ``GradAccumError``
+   come, does the process survive NCCL's watchdog, its exit code.
+
+Public API only (``gradaccum.*``, ``gradaccum.sync.*``, ``gradaccum.loop.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import gradaccum
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Config:
+    """The device, the backend and the sizes, set once in ``main`` (or a child)."""
+
+    cuda = False
+    device = torch.device("cpu")
+    backend = "gloo"
+    cycles_per_ms = 1.9e6  # torch.cuda._sleep's clock, calibrated at start
+
+
+C = Config()
+LOG: list[str] = []
+
+
+def say(*lines: str) -> None:
+    for line in lines:
+        print(line, flush=True)
+        LOG.append(line)
+
+
+def sync_device() -> None:
+    if C.cuda:
+        torch.cuda.synchronize()
+
+
+def sleep_ms(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` (a no-op on CPU)."""
+    if C.cuda:
+        torch.cuda._sleep(int(ms * C.cycles_per_ms))
+
+
+def init_group() -> None:
+    if C.cuda:
+        torch.cuda.set_device(C.device)
+        dist.init_process_group(
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=C.device,
+            timeout=datetime.timedelta(seconds=60),
+        )
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    say("", f"== {name} " + "=" * (60 - len(name)))
+    t = time.perf_counter()
+    try:
+        results[name] = fn()
+        say(f"-- {name}: {time.perf_counter() - t:.1f} s")
+    except Exception as e:  # noqa: BLE001  (a failing section must not stop the others)
+        first = (str(e).splitlines() or [""])[0][:400]
+        say(f"FAIL {name}: {type(e).__name__}: {first}")
+        say(*traceback.format_exc(limit=-4).rstrip().splitlines())
+        results[name] = {"error": f"{type(e).__name__}: {first}"}
+    finally:
+        if C.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    last = len(header) - 1  # the last column unpadded (a long "where" list)
+    for k, r in enumerate(cells):
+        line = "  ".join(
+            c if i == last else c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths))
+        )
+        say(line.rstrip())
+        if k == 0:
+            say("  ".join("-" * w for w in widths[:last]) + "  -----")
+
+
+# -- 0. versions -------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gradaccum": gradaccum.__version__,
+        "gradaccum_file": gradaccum.__file__,
+        "device": str(C.device),
+        "backend": C.backend,
+    }
+    if C.cuda:
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        out["device_name"] = torch.cuda.get_device_name(C.device)
+        out["memory_gib"] = round(torch.cuda.get_device_properties(C.device).total_memory / 2**30)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.cuda._sleep(int(1e8))
+        torch.cuda.synchronize()
+        C.cycles_per_ms = 1e8 / (1e3 * (time.perf_counter() - t))
+        out["sleep_cycles_per_ms"] = round(C.cycles_per_ms)
+    else:
+        out["device_name"] = platform.processor() or platform.machine()
+    for k, v in out.items():
+        say(f"{k}: {v}")
+    return out
+
+
+# -- 1. the gpu suite --------------------------------------------------------------------------
+
+
+def suite() -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if not C.cuda:
+        env["GRADACCUM_GPU_TEST_ON_CPU"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q"]
+    cmd += ["-p", "no:cacheprovider", "-rfEsxX", "--timeout=60"]
+    t = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        rc: Any = r.returncode
+        text = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:  # a hang: what it printed so far
+        rc = "killed after 180 s"
+        text = "".join(
+            x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
+        )
+    lines = text.rstrip().splitlines()
+    # The summary: the short test summary and the last line (or the tail of a crash).
+    start = next((i for i, ln in enumerate(lines) if "short test summary" in ln), None)
+    summary = lines[start:] if start is not None else lines[-25:]
+    say(f"$ {' '.join(cmd)}  (rc {rc}, {time.perf_counter() - t:.1f} s)")
+    say(*[ln[:300] for ln in summary])
+    if rc not in (0, 5):
+        failures = [ln for ln in lines if ln.startswith(("E ", "FAILED", "ERROR"))]
+        say("-- first error lines:", *[ln[:300] for ln in failures[:30]])
+    return {"rc": rc, "summary": summary, "output_tail": lines[-200:]}
+
+
+# -- 2. host syncs -----------------------------------------------------------------------------
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+def _where(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost gradaccum frame (else the innermost frame outside torch)."""
+    mine = [f for f in stack if f"{os.sep}gradaccum{os.sep}" in f.filename]
+    if not mine:
+        mine = [f for f in stack if f"{os.sep}torch{os.sep}" not in f.filename] or stack
+    f, inner = mine[-1], stack[-1]
+    where = f"{Path(f.filename).name}:{f.lineno}:{f.name}"
+    if inner is not f:  # the read is torch's (an optimizer's, say), called from there
+        where += f" > {Path(inner.filename).name}:{inner.lineno}:{inner.name}"
+    return where
+
+
+def _in_backward(stack: list[traceback.FrameSummary]) -> bool:
+    """Whether this runs inside a backward: the engine's device thread, or its frames."""
+    if threading.current_thread() is not threading.main_thread():
+        return True
+    return any(
+        f.name in ("_engine_run_backward", "run_backward") and "autograd" in f.filename
+        for f in stack
+    )
+
+
+class HostSyncs:
+    """Counts host syncs in a block: CUDA's sync debug warnings, and located host reads.
+
+    ``set_sync_debug_mode`` is process-global; the wrapped ``Tensor`` methods too. Warnings raised
+    in the autograd engine's device thread are replayed by the engine when the backward ends (on
+    the caller's stack, so they count as ``bwd``, without their own location): the host reads
+    give the location.
+    """
+
+    def __init__(self) -> None:
+        self.syncs: list[tuple[str, bool]] = []  # (where, inside a backward)
+        self.reads: list[tuple[str, str, bool]] = []  # (what, where, inside a backward)
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> HostSyncs:
+        sync_device()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def hook(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+            if "synchroniz" not in str(message):
+                shown(message, category, filename, lineno, *rest)
+                return
+            stack = traceback.extract_stack()[:-1]
+            self.syncs.append((_where(stack), _in_backward(stack)))
+
+        warnings.showwarning = hook
+        self._wrap()
+        if C.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if C.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+        self._unwrap()
+        sync_device()
+        self._warnings.__exit__(*exc)
+
+    def _note(self, what: str) -> None:
+        stack = traceback.extract_stack()[:-2]
+        self.reads.append((what, _where(stack), _in_backward(stack)))
+
+    def _wrap(self) -> None:
+        for name in READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def read(t: Any, *a: Any, _name: str = name, _f: Any = original, **k: Any) -> Any:
+                if t.device.type != "cpu" or not C.cuda:  # on CPU: a proxy of a device read
+                    self._note(_name)
+                return _f(t, *a, **k)
+
+            setattr(torch.Tensor, name, read)
+        for name in ("tensor", "as_tensor"):
+            original = getattr(torch, name)
+            self._saved["torch." + name] = original
+
+            def make(*a: Any, _name: str = name, _f: Any = original, **k: Any) -> Any:
+                if (
+                    k.get("device") is not None
+                    and torch.device(k["device"]).type != "cpu"
+                    or (not C.cuda and k.get("device") is not None)
+                ):
+                    self._note(f"torch.{_name}(device=)")
+                return _f(*a, **k)
+
+            setattr(torch, name, make)
+
+    def _unwrap(self) -> None:
+        for name, original in self._saved.items():
+            if name.startswith("torch."):
+                setattr(torch, name[len("torch.") :], original)
+            else:
+                setattr(torch.Tensor, name, original)
+        self._saved.clear()
+
+    def row(self) -> list[Any]:
+        seen = Counter([w for w, _ in self.syncs] + [f"{w} ({k})" for k, w, _ in self.reads])
+        where = [f"{w} x{c}" if c > 1 else w for w, c in sorted(seen.items())]
+        return [
+            len(self.syncs) if C.cuda else "-",
+            sum(b for _, b in self.syncs) if C.cuda else "-",
+            len(self.reads),
+            sum(b for _, _, b in self.reads),
+            "; ".join(where) or "-",
+        ]
+
+
+def mlp(width: int, depth: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    torch.manual_seed(0)
+    params: dict[str, torch.Tensor] = {}
+    for i in range(depth):
+        params[f"layers.{i}.weight"] = torch.randn(width, width, device=C.device) / width**0.5
+        params[f"layers.{i}.bias"] = torch.zeros(width, device=C.device)
+    params["head.weight"] = torch.randn(1, width, device=C.device) / width**0.5
+    params["head.bias"] = torch.zeros(1, device=C.device)
+
+    def loss_fn(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        x, y = batch
+        h = x
+        for i in range(depth):
+            h = torch.tanh(F.linear(h, p[f"layers.{i}.weight"], p[f"layers.{i}.bias"]))
+        return ((F.linear(h, p["head.weight"], p["head.bias"]).squeeze(-1) - y) ** 2).mean()
+
+    x = torch.randn(64, width, device=C.device)
+    y = torch.randn(64, device=C.device)
+    return params, loss_fn, (x, y)
+
+
+def syncs(small: bool) -> dict[str, Any]:
+    width, depth, n, windows = (64, 2, 4, 3) if small else (1024, 6, 4, 3)
+    params, loss_fn, batch = mlp(width, depth)
+    cases: dict[str, Callable[[], Callable[[], Any]]] = {}
+
+    def fast(timeout: float | None) -> Callable[[], Any]:
+        sync = gradaccum.all_reduce(bucket_mb=2, timeout=timeout)
+        step = gradaccum.accumulate(gradaccum.grad_and_value(loss_fn), n, sync=sync)
+        return lambda: step(params, batch)
+
+    def scatter(policy: str, timeout: float | None) -> Callable[[], Any]:
+        sharded = gradaccum.shard(params, bucket_mb=2)
+        sync = gradaccum.reduce_scatter(sharded, policy=policy, timeout=timeout)
+        step = gradaccum.accumulate(gradaccum.grad(loss_fn), n, sync=sync)
+        return lambda: step(sharded, batch)
+
+    def accumulator(metrics: bool) -> Callable[[], Any]:
+        acc = gradaccum.Accumulator(n=n, sync=gradaccum.all_reduce(bucket_mb=2))
+        box = [acc.init(params)]
+        micro = list(zip(batch[0].chunk(n), batch[1].chunk(n)))
+        values = [torch.func.grad_and_value(loss_fn)(params, mb) for mb in micro]
+
+        def window() -> Any:
+            for (g, loss), (x, _) in zip(values, micro):
+                extra = {"metrics": {"loss": loss}} if metrics else {}
+                box[0] = acc.add(box[0], g, size=len(x), **extra)
+            grads, box[0] = acc.finalize(box[0])
+            return grads
+
+        return window
+
+    def step_loop() -> Callable[[], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+        model = model.to(C.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def mse(m: nn.Module, b: Any) -> torch.Tensor:
+            return F.mse_loss(m(b[0]).squeeze(-1), b[1])
+
+        step = gradaccum.loop.Step(model, mse, opt, clip=1.0, sync=gradaccum.all_reduce())
+        micro = list(zip(batch[0].chunk(n), batch[1].chunk(n)))
+
+        def window() -> Any:
+            for mb in micro:
+                step.add(mb)
+            return step.apply()
+
+        return window
+
+    for timeout in (None, 30.0):
+        cases[f"accumulate all_reduce timeout={timeout}"] = lambda t=timeout: fast(t)
+        for policy in ("boundary", "every"):
+            cases[f"accumulate reduce_scatter {policy} timeout={timeout}"] = (
+                lambda p=policy, t=timeout: scatter(p, t)
+            )
+    cases["Accumulator add x4 + finalize"] = lambda: accumulator(False)
+    cases["Accumulator add x4 (metrics) + finalize"] = lambda: accumulator(True)
+    cases["loop.Step add x4 + apply (clip)"] = step_loop
+    rows, out = [], {}
+    for name, make in cases.items():
+        try:
+            run = make()
+            for w in range(windows):
+                with HostSyncs() as log:
+                    run()
+                if w in (0, windows - 1):
+                    rows.append([name if w == 0 else "", w, *log.row()])
+                out[f"{name} window {w}"] = {
+                    "syncs": log.syncs,
+                    "reads": log.reads,
+                }
+        except Exception as e:  # noqa: BLE001
+            say(f"FAIL syncs {name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+            out[name] = {"error": repr(e)[:500]}
+    say(
+        f"MLP {width} x {depth}, n = {n}; per window (first and steady): syncs = CUDA sync "
+        f"debug warnings, reads = wrapped host reads; bwd = inside a backward"
+    )
+    table(["case", "window", "syncs", "bwd", "reads", "bwd", "where"], rows)
+    out["host_blocking"] = host_blocking(params, loss_fn, batch, n)
+    return out
+
+
+def host_blocking(params: Any, loss_fn: Any, batch: Any, n: int) -> dict[str, float]:
+    """Host ms of a mid-window ``Accumulator.add`` behind a 200 ms kernel (~0: it does not wait)."""
+    out: dict[str, float] = {}
+    g = torch.func.grad(loss_fn)(params, batch)
+    for timeout in (None, 30.0):
+        for kind in ("all_reduce", "reduce_scatter every", "reduce_scatter boundary"):
+            target: Any = params
+            if kind == "all_reduce":
+                sync: Any = gradaccum.all_reduce(bucket_mb=2, timeout=timeout)
+            else:
+                target = gradaccum.shard(params, bucket_mb=2)
+                sync = gradaccum.reduce_scatter(target, policy=kind.split()[1], timeout=timeout)
+            acc = gradaccum.Accumulator(n=n, sync=sync)
+            state = acc.init(target)
+            state = acc.add(state, g, size=len(batch[0]))
+            sync_device()
+            sleep_ms(200)
+            t = time.perf_counter()
+            state = acc.add(state, g, size=len(batch[0]))
+            took = 1e3 * (time.perf_counter() - t)
+            sync_device()
+            while not acc.is_complete(state):
+                state = acc.add(state, g, size=len(batch[0]))
+            acc.finalize(state)
+            out[f"{kind} timeout={timeout}"] = round(took, 2)
+    behind = "a 200 ms kernel (~200: it waited)" if C.cuda else "nothing (CPU: no kernel)"
+    say(f"host ms of a mid-window Accumulator.add behind {behind}:")
+    table(["sync", "host ms"], [[k, v] for k, v in out.items()])
+    return out
+
+
+# -- 3. the language model ---------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 small's shape (untied head): 12 layers, d = 768, 12 heads, vocab 50257."""
+
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def lm(small: bool, steps: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if small:
+        shape, mb, ns, warm = dict(layers=2, d=64, heads=4, vocab=256, seq=32), 2, (1, 4), 1
+    else:
+        shape, mb, ns, warm = (
+            dict(layers=12, d=768, heads=12, vocab=50257, seq=512),
+            8,
+            (1, 4, 16),
+            2,
+        )
+    seq, vocab = shape["seq"], shape["vocab"]
+    amp = torch.autocast(C.device.type, torch.bfloat16)
+    fused = {"fused": True} if C.cuda else {"foreach": True}
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = GPT(**shape).to(C.device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
+
+    def ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, vocab), targets.reshape(-1))
+
+    gen = torch.Generator(device=C.device).manual_seed(0)
+    top = max(ns)
+    tokens = torch.randint(0, vocab, (top * mb, seq + 1), device=C.device, generator=gen)
+    data = {n: (tokens[: n * mb, :-1], tokens[: n * mb, 1:]) for n in ns}
+    chunks = {n: list(zip(data[n][0].split(mb), data[n][1].split(mb))) for n in ns}
+
+    hand_model, hand_opt = make()
+    ddp_base, ddp_opt = make()
+    ddp = DDP(ddp_base, device_ids=[C.device.index] if C.cuda else None)
+    ours_model, ours_opt = make()
+    params = gradaccum.params_of(ours_model)
+    n_params = sum(p.numel() for p in hand_model.parameters())
+
+    def lm_loss(p: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with amp:
+            logits, _ = gradaccum.call_module(ours_model, p, {}, x)
+        return ce(logits, y)
+
+    sync = gradaccum.all_reduce()
+    ours_steps = {
+        n: gradaccum.accumulate(gradaccum.grad_and_value(lm_loss), n, has_aux=True, sync=sync)
+        for n in ns
+    }
+
+    def hand(n: int) -> None:
+        for x, y in chunks[n]:
+            with amp:
+                logits = hand_model(x)
+            (ce(logits, y) / n).backward()
+        hand_opt.step()
+        hand_opt.zero_grad(set_to_none=True)
+
+    def ddp_step(n: int) -> None:
+        for i, (x, y) in enumerate(chunks[n]):
+            if i < n - 1:
+                with ddp.no_sync(), amp:
+                    loss = ce(ddp(x), y) / n
+                loss.backward()  # the backward outside autocast, inside no_sync
+            else:
+                with amp:
+                    loss = ce(ddp(x), y) / n
+                loss.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=True)
+
+    def ours(n: int) -> None:
+        grads, _ = ours_steps[n](params, data[n])
+        gradaccum.write_grads(ours_model, grads)
+        ours_opt.step()
+        ours_opt.zero_grad(set_to_none=True)
+
+    def micro() -> None:  # the compute floor: one micro-batch's forward and backward alone
+        x, y = chunks[1][0]
+        with amp:
+            logits = hand_model(x)
+        ce(logits, y).backward()
+
+    contenders = {"hand": hand, "ddp": ddp_step, "gradaccum": ours}
+    times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
+    peak: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
+    before: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
+    floor: list[float] = []
+    say(
+        f"model: {n_params / 1e6:.1f} M params, {shape}, micro-batch {mb} x {seq} tokens; "
+        f"{warm} warm-up + {steps} timed rounds over n = {ns}, contenders round-robin"
+    )
+    t_all = time.perf_counter()
+    for r in range(warm + steps):
+        for n in ns:
+            for c, fn in contenders.items():
+                sync_device()
+                if C.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    mem0 = torch.cuda.memory_allocated()
+                t = time.perf_counter()
+                fn(n)
+                sync_device()
+                if r >= warm:
+                    times[c][n].append(1e3 * (time.perf_counter() - t))
+                    if C.cuda:
+                        peak[c][n].append(torch.cuda.max_memory_allocated() / 2**30)
+                        before[c][n].append(mem0 / 2**30)
+        sync_device()
+        t = time.perf_counter()
+        micro()
+        sync_device()
+        if r >= warm:
+            floor.append(1e3 * (time.perf_counter() - t))
+        hand_model.zero_grad(set_to_none=True)
+    total_s = time.perf_counter() - t_all
+    micro()  # gradients in place for the optimizer step alone (part of every contender)
+    sync_device()
+    t = time.perf_counter()
+    for _ in range(3):
+        hand_opt.step()
+    sync_device()
+    opt_ms = 1e3 * (time.perf_counter() - t) / 3
+    med = {c: {n: statistics.median(v) for n, v in d.items()} for c, d in times.items()}
+    one = statistics.median(floor)
+    rows = []
+    for n in ns:
+        for c in contenders:
+            ms = med[c][n]
+            rows.append(
+                [
+                    n,
+                    c,
+                    f"{ms:.1f}",
+                    f"{ms / med['hand'][n]:.3f}",
+                    f"{min(times[c][n]):.1f}",
+                    f"{max(times[c][n]):.1f}",
+                    f"{n * one:.1f}",
+                    f"{ms - n * one:+.1f}",
+                    f"{max(peak[c][n]):.2f}" if peak[c][n] else "-",
+                    f"{max(peak[c][n]) - min(before[c][n]):.2f}" if peak[c][n] else "-",
+                ]
+            )
+    say(
+        f"ms/step (median of {steps}), floor = n x one micro-batch's forward+backward alone "
+        f"({one:.1f} ms), AdamW step alone {opt_ms:.1f} ms; peak GiB: max_memory_allocated "
+        f"during the step, and above what was allocated before it"
+    )
+    table(
+        ["n", "contender", "ms", "/hand", "min", "max", "floor", "gap", "peak", "peak-before"], rows
+    )
+    say(f"({total_s:.1f} s for {(warm + steps) * len(contenders) * sum(ns)} micro-batches)")
+    return {
+        "shape": shape,
+        "micro_batch": mb,
+        "params": n_params,
+        "steps": steps,
+        "warm": warm,
+        "ms": times,
+        "median_ms": med,
+        "micro_ms": floor,
+        "optimizer_ms": opt_ms,
+        "peak_gib": peak,
+        "allocated_before_gib": before,
+        "seconds": total_s,
+    }
+
+
+# -- 4. timeouts and NCCL's watchdog -------------------------------------------------------------
+
+
+def child(mode: str) -> None:
+    """One timeout probe, run alone in a child process (its exit code is part of the result)."""
+    init_group()
+    t0 = time.perf_counter()
+    try:
+        if mode == "comm_wait":  # one collective behind a 5 s kernel, waited with timeout=1
+            comm = gradaccum.sync.Comm("gpu_check comm_wait", None, timeout=1.0)
+            t = torch.ones(1 << 20, device=C.device)
+            sleep_ms(5000)
+            t0 = time.perf_counter()
+            comm.wait(comm.all_reduce(t, "a probe bucket", "gradients"), "a probe bucket")
+        else:  # a window with all_reduce(timeout=1) behind a 5 s kernel: queued before the
+            # window (step), or at the last micro-batch's forward (step_late: the buckets
+            # launched in its backward wait behind it)
+            params, loss_fn, batch = mlp(256, 2)
+            calls = [0]
+
+            def loss(p: Any, b: Any) -> torch.Tensor:
+                calls[0] += 1
+                if mode == "step_late" and calls[0] == 4:  # window 2, micro-batch 2 of 2
+                    sleep_ms(5000)
+                return loss_fn(p, b)
+
+            step = gradaccum.accumulate(
+                gradaccum.grad(loss), 2, sync=gradaccum.all_reduce(timeout=1.0)
+            )
+            step(params, batch)
+            sync_device()
+            if mode == "step":
+                sleep_ms(5000)
+            t0 = time.perf_counter()
+            step(params, batch)
+        print(f"CHILD no error after {time.perf_counter() - t0:.2f} s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).splitlines() or [""])[0][:240]
+        print(
+            f"CHILD {type(e).__name__} after {time.perf_counter() - t0:.2f} s: {first}", flush=True
+        )
+    for s in (2, 4):
+        time.sleep(2)
+        ok = torch.ones(1, device=C.device).sum().item()
+        print(f"CHILD alive {s} s later; device ok: {ok == 1.0}", flush=True)
+    try:
+        dist.destroy_process_group()
+        print("CHILD destroy_process_group ok", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"CHILD destroy_process_group raised {type(e).__name__}: {e}", flush=True)
+
+
+def timeouts() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    runs = [
+        ("comm_wait", {}),
+        ("comm_wait", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
+        ("step", {}),
+        ("step_late", {}),
+    ]
+    for mode, extra in runs:
+        name = f"{mode} {' '.join(f'{k}={v}' for k, v in extra.items()) or '(default env)'}"
+        env = {**os.environ, **extra}
+        cmd = [sys.executable, __file__, "--child", mode] + ([] if C.cuda else ["--cpu"])
+        t = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+            rc: Any = r.returncode
+            text = r.stdout + r.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, text = "timeout after 30 s", f"{e.stdout or ''}{e.stderr or ''}"
+        lines = [ln for ln in str(text).splitlines() if ln.strip()]
+        said = [ln for ln in lines if ln.startswith("CHILD")]
+        say(f"{name}: rc={rc} (negative: killed by that signal) in {time.perf_counter() - t:.1f} s")
+        say(*[f"   | {ln[:240]}" for ln in said])
+        others = [ln for ln in lines if not ln.startswith("CHILD")][-6:]
+        say(*[f"   ! {ln[:240]}" for ln in others])
+        out[name] = {"rc": rc, "child": said, "tail": lines[-30:]}
+    if not C.cuda:
+        say("(on CPU there is no kernel to wait behind: the children show the plumbing only)")
+    return out
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--cpu", action="store_true", help="CPU + gloo, a tiny model (auto without CUDA)"
+    )
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json if $OUT)")
+    ap.add_argument("--steps", type=int, default=None, help="timed LM rounds (default 8; 2 on CPU)")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], help="sections to skip: suite syncs lm timeout"
+    )
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    C.cuda = torch.cuda.is_available() and not args.cpu
+    C.device = torch.device("cuda", 0) if C.cuda else torch.device("cpu")
+    C.backend = "nccl" if C.cuda else "gloo"
+    if args.child:
+        child(args.child)
+        return
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = str(Path(os.environ["OUT"]) / "gpu_check.json")
+    small = not C.cuda
+    steps = args.steps or (2 if small else 8)
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {}
+    section(results, "versions", versions)
+    if "suite" not in args.skip:
+        section(results, "suite", suite)
+    init_group()
+    try:
+        if "syncs" not in args.skip:
+            section(results, "syncs", lambda: syncs(small))
+        if "lm" not in args.skip:
+            section(results, "lm", lambda: lm(small, steps))
+    finally:
+        sync_device()
+        dist.destroy_process_group()
+    if "timeout" not in args.skip:
+        section(results, "timeout", timeouts)
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    results["seconds"] = time.perf_counter() - t0
+    say("", f"DONE in {results['seconds']:.0f} s; failed sections: {failed or 'none'}")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=1, default=str))
+        Path(out).with_suffix(".log").write_text("\n".join(LOG) + "\n")
+        print(f"wrote {out} and {Path(out).with_suffix('.log')}")
+
+
+if __name__ == "__main__":
+    main()
