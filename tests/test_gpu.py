@@ -39,6 +39,9 @@ pytestmark = [
         reason="needs a CUDA device (GRADACCUM_GPU_TEST_ON_CPU=1 runs it on CPU + gloo)",
     ),
     pytest.mark.timeout(120),
+    # torch warns once, on the first set_sync_debug_mode, that the mode is a prototype: under
+    # warnings-as-errors that raised inside it with the mode already on (device run 1).
+    pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning"),
 ]
 cuda_only = pytest.mark.skipif(not CUDA, reason="a CUDA-only check (sync debug mode)")
 
@@ -69,6 +72,14 @@ def world() -> Iterator[None]:
 
 
 # -- models and references --------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def sync_debug_mode_off_after() -> Iterator[None]:
+    """No test leaves ``set_sync_debug_mode`` on for the next, whatever happened in it."""
+    yield
+    if CUDA:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def mlp_params(dtype: torch.dtype = torch.float32, depth: int = 3) -> dict[str, torch.Tensor]:
@@ -415,7 +426,11 @@ class SyncErrors:
 
     def __enter__(self) -> None:
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+        except BaseException:
+            torch.cuda.set_sync_debug_mode(0)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.set_sync_debug_mode(0)
