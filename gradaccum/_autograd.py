@@ -6,7 +6,6 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -71,10 +70,7 @@ class GradFn:
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:
-            with CheckpointGuard(where, leaves, (new_args, kwargs)):
-                grads = torch.autograd.grad(
-                    value, leaves, allow_unused=True, materialize_grads=True
-                )
+            grads = CheckpointGuard(where).grad(value, leaves, (new_args, kwargs))
         else:  # the output does not depend on the params: their gradient is zero
             grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
         tree = _tree.unflatten(spec, grads)
@@ -390,25 +386,53 @@ _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lam
 
 
 class CheckpointGuard:
-    """Around a backward of ``leaves``: refuse what activation checkpointing would get wrong."""
+    """Around a backward of ``leaves``: refuse what activation checkpointing would get wrong.
+
+    One guard serves every backward of a window: each call names its leaves and arguments.
+    """
 
     # A non-reentrant checkpoint recomputes its block during the backward, after functional_call
     # has returned, so the block reads the module's own parameters: each module run then must
     # hold the tensors of the leaves or of the call's args, or the gradient would silently use
     # other weights. A reentrant checkpoint refuses inputs=: its error is replaced by the fix.
 
-    def __init__(self, where: str, leaves: Sequence[torch.Tensor], args: Any) -> None:
-        self.where, self.leaves, self.args = where, leaves, args
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.leaves: Sequence[torch.Tensor] = ()
+        self.args: Any = None
         self.keys: set[tuple[Any, ...] | None] | None = None  # built at the first recompute
 
-    def __enter__(self) -> None:
-        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
-
-    def __exit__(
-        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    def backward(
+        self, value: torch.Tensor, seed: torch.Tensor | None, leaves: list[torch.Tensor], args: Any
     ) -> None:
-        self.handle.remove()
-        if isinstance(err, RuntimeError) and _REENTRANT.search(str(err)):
+        """``torch.autograd.backward(value, seed, inputs=leaves)``, guarded; ``args``: the call."""
+        self.leaves, self.args, self.keys = leaves, args, None
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
+        try:
+            torch.autograd.backward(value, seed, inputs=leaves)
+        except RuntimeError as err:
+            self._reentrant(err)
+            raise
+        finally:
+            handle.remove()
+
+    def grad(
+        self, value: torch.Tensor, leaves: list[torch.Tensor], args: Any
+    ) -> tuple[torch.Tensor, ...]:
+        """``torch.autograd.grad`` of ``value`` for ``leaves`` (zeros for unused ones), guarded."""
+        self.leaves, self.args, self.keys = leaves, args, None
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
+        try:
+            return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+        except RuntimeError as err:
+            self._reentrant(err)
+            raise
+        finally:
+            handle.remove()
+
+    def _reentrant(self, err: RuntimeError) -> None:
+        """Replace torch's error for a reentrant checkpoint by the fix."""
+        if _REENTRANT.search(str(err)):
             raise ValueError(
                 f"{self.where}: the loss function uses torch.utils.checkpoint with "
                 f"use_reentrant=True, which cannot run under gradaccum's backward: it refuses "

@@ -158,10 +158,16 @@ def weigh(
     rows: int,
     aux: Any,
 ) -> tuple[Any, _reduce.Weight | None, int, _reduce.Weight]:
-    """One micro-batch's ``(raw count, checked count, alpha, weight)`` in ``accumulate``."""
-    raw = count(aux) if count is not None else None
-    items = _reduce.check_count(call, raw) if count is not None else None
-    return raw, items, *micro_weight(call, reduction, rows, items)
+    """One micro-batch's ``(raw count, checked count, alpha, weight)`` in ``accumulate``.
+
+    ``rows`` comes from the split (a positive int); under ``count``, ``count(aux)`` is checked.
+    The pair ``(alpha, weight)`` is what ``micro_weight`` gives for those values.
+    """
+    if count is None:  # mean or sum: weighted by the rows
+        return None, None, rows if reduction == "mean" else 1, rows
+    raw = count(aux)
+    items = _reduce.check_count(call, raw)
+    return raw, items, 1, items
 
 
 def check_grads(where: str, lay: Layout, grads: Any) -> list[torch.Tensor]:

@@ -13,8 +13,7 @@ from .._autograd import GradFn, check_no_transform, from_torch_func
 from .._errors import describe
 from .._layout import Layout, check_accum_dtype, check_n
 from . import engine
-from .protocol import LOCAL, Sync, WindowSpec, check_sync
-from .state import AccumState
+from .protocol import LOCAL, Sync, check_sync
 
 __all__ = ["accumulate"]
 
@@ -196,75 +195,52 @@ def accumulate(
         _check_fast(where, grad_fn, argnums, has_aux)
     # The fast path adds each backward straight into the sums: no gradient tree to transform.
     fast = grad_fn if micro_transform is None else None
-    # A torch.func step function stays traceable when the accumulated function is compiled.
-    traceable = fast is not None and not isinstance(step_fn, GradFn)
-    kind: Sync = sync if sync is not None else LOCAL
-    argnum = argnums if isinstance(argnums, int) else None
+    opts = engine.RunOptions(
+        step_fn=step_fn,
+        fast=fast,
+        # A torch.func step function stays traceable when the accumulated function is compiled.
+        traceable=fast is not None and not isinstance(step_fn, GradFn),
+        sync=sync if sync is not None else LOCAL,
+        n=n,
+        batch_argnum=batch_argnum,
+        argnum=argnums if isinstance(argnums, int) else None,
+        reduction=reduction,
+        count=count,
+        has_aux=has_aux,
+        aux_reduction=aux_reduction,
+        micro_transform=micro_transform,
+    )
+    kind, argnum, top = opts.sync, opts.argnum, max(batch_argnum, *grad_args)
     seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
     opened = [0]  # windows opened (failed ones too): the next window's index, on every rank
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
         check_no_transform(call)  # before anything: a refused call changes nothing
-        if len(args) <= max(batch_argnum, *grad_args):
+        if len(args) <= top:
             raise TypeError(
                 f"{call}: expected the params at position(s) {list(grad_args)} and the batch "
                 f"at position {batch_argnum}, got {len(args)} positional argument(s); pass them "
                 f"positionally, e.g. step(params, batch)."
             )
         target = args[argnum] if argnum is not None else tuple(args[i] for i in grad_args)
-        aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
-        win = engine.Progress()
-        spec, prev = None, seen[0] if seen else None
-        on_fast = fast is not None  # the same on every rank: ready() order can be agreed on
         index = 0
         if not torch.compiler.is_compiling():  # traced, the count would recompile every call
             index = opened[0]
             opened[0] += 1
+        run = engine.WindowRun(call, opts, args, kwargs, target, index)
         try:
             lay = kind.layout(call, target, accum_dtype, argnums)
             _check_not_empty(call, lay, target, argnums)
             seen[:] = [lay]
-            spec = WindowSpec(
-                call, lay, reduction, n, False, kind.state, target, fast=on_fast, index=index
-            )
-            win.state = AccumState(None, 0, 0, 0, lay)
-            win.opening = True
-            win.window = kind.open(spec)
-            micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
-            engine.run(
-                call,
-                step_fn,
-                fast,
-                args,
-                kwargs,
-                micro,
-                win,
-                aux_acc,
-                batch_argnum=batch_argnum,
-                argnum=argnum,
-                reduction=reduction,
-                count=count,
-                has_aux=has_aux,
-                micro_transform=micro_transform,
-                traceable=traceable,
-            )
-        except Exception:  # join the boundary flagged as failed (see engine.abort)
-            if spec is None and prev is not None:
-                spec = WindowSpec(
-                    call, prev, reduction, n, False, kind.state, target, fast=on_fast, index=index
-                )
-            engine.abort(win, kind, spec)
+            run.open(lay)
+            run.run(_split.split(call, args[batch_argnum], n, short_ok=sync is not None))
+        except Exception:  # join the boundary flagged as failed (see WindowRun.abort)
+            run.abort(seen[0] if seen else None)
             raise
-        # The boundary: the one place that communicates (with sync=).
-        grads = win.window.finish(win.state.weight)
-        kind.load_state(win.window.state)
-        if aux_acc is not None:
-            aux_out = aux_acc.result() if win.state.micro_step else None
-            return (grads, aux_out)  # type: ignore[return-value]
-        return grads  # type: ignore[no-any-return]
+        return run.finish()  # type: ignore[no-any-return]
 
-    if fast is not None and not traceable:
+    if fast is not None and not opts.traceable:
         # Autograd hooks and .grad writes cannot be traced: under torch.compile the call runs
         # eagerly, through a clean graph break here. A break inside the window (in a try block)
         # would make Dynamo skip this code object for every accumulated function in the process.
