@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointGuard",
     "GradFn",
     "active_transform",
+    "check_argnums",
     "check_no_transform",
     "explain_checkpoint",
     "from_torch_func",
@@ -244,7 +245,7 @@ def from_torch_func(fn: object) -> GradFn | None:
     try:
         cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))  # type: ignore[union-attr]
         func, argnums, has_aux = cells["func"], cells["argnums"], cells["has_aux"]
-        argnums = _check_argnums("grad", argnums)
+        check_argnums("torch.func.grad(fn, argnums=...)", argnums)
         has_aux = _check_has_aux("grad", has_aux)
     except (KeyError, ValueError, TypeError):
         return None
@@ -260,24 +261,38 @@ def _make(name: str, fn: Any, argnums: object, has_aux: object, with_value: bool
             f"got {describe(fn)}; pass the loss function itself, e.g. gradaccum.{name}(loss_fn) "
             f"with loss_fn(params, batch) -> loss."
         )
-    return GradFn(fn, _check_argnums(name, argnums), _check_has_aux(name, has_aux), with_value)
+    check_argnums(f"gradaccum.{name}(fn, argnums=...)", argnums)
+    return GradFn(fn, argnums, _check_has_aux(name, has_aux), with_value)  # type: ignore[arg-type]
 
 
-def _check_argnums(name: str, argnums: object) -> int | tuple[int, ...]:
-    ok_int = isinstance(argnums, int) and not isinstance(argnums, bool) and argnums >= 0
-    ok_tuple = (
-        isinstance(argnums, tuple)
-        and len(argnums) > 0
-        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in argnums)
-        and len(set(argnums)) == len(argnums)
+def check_argnums(where: str, argnums: object) -> tuple[int, ...]:
+    """Validate ``argnums`` as torch.func does; return its positions as a tuple.
+
+    One rule for ``grad``, ``grad_and_value`` and ``accumulate``: a non-negative int, or a
+    non-empty tuple of distinct non-negative ints. A wrong kind raises ``TypeError``, a wrong
+    value (negative, repeated) ``ValueError``, with the same message.
+
+    Examples:
+        >>> check_argnums("f(argnums=...)", (0, 2))
+        (0, 2)
+        >>> check_argnums("f(argnums=...)", (0, 0))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: f(argnums=...): argnums must be a non-negative int or a non-empty tuple of ...
+    """
+    nums: Any = (argnums,) if isinstance(argnums, int) else argnums
+    kind_ok = (
+        isinstance(nums, tuple)
+        and len(nums) > 0
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in nums)
     )
-    if not (ok_int or ok_tuple):
-        raise TypeError(
-            f"gradaccum.{name}(fn, argnums=...): argnums must be a non-negative int or a "
-            f"non-empty tuple of distinct non-negative ints, as in torch.func.{name}, got "
-            f"{describe(argnums)}; pass e.g. argnums=0."
-        )
-    return argnums  # type: ignore[return-value]
+    if kind_ok and min(nums) >= 0 and len(set(nums)) == len(nums):
+        return nums  # type: ignore[no-any-return]
+    raise (ValueError if kind_ok else TypeError)(
+        f"{where}: argnums must be a non-negative int or a non-empty tuple of distinct "
+        f"non-negative ints, as in torch.func.grad, got {type(argnums).__name__} {argnums!r}; "
+        f"pass e.g. argnums=0, or argnums=(0, 2) for several arguments."
+    )
 
 
 def _check_has_aux(name: str, has_aux: object) -> bool:

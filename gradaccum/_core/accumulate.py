@@ -9,7 +9,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from .. import _reduce, _split
-from .._autograd import GradFn, check_no_transform, from_torch_func
+from .._autograd import GradFn, check_argnums, check_no_transform, from_torch_func
 from .._errors import describe
 from .._layout import Layout, check_accum_dtype, check_n
 from . import engine
@@ -263,22 +263,7 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
             f"{describe(batch_argnum)}; pass the position of the batch among step_fn's "
             f"positional arguments, e.g. batch_argnum=1 for step_fn(params, batch)."
         )
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    if (
-        not isinstance(nums, tuple)
-        or not nums
-        or any(isinstance(i, bool) or not isinstance(i, int) for i in nums)
-    ):
-        raise TypeError(
-            f"{where}: argnums must be an int or a non-empty tuple of ints, as in "
-            f"torch.func.grad, got {describe(argnums)}; pass e.g. argnums=0, or argnums=(0, 2) "
-            f"for several arguments."
-        )
-    if any(i < 0 for i in nums):
-        raise ValueError(
-            f"{where}: argnums must be non-negative, got {argnums!r}; pass the positions "
-            f"counted from the first argument, e.g. argnums=0."
-        )
+    nums = check_argnums(where, argnums)
     if batch_argnum in nums:
         raise ValueError(
             f"{where}: batch_argnum={batch_argnum} is also in argnums={argnums!r}; the batch is "
