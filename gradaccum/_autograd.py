@@ -1,4 +1,15 @@
-"""``grad`` and ``grad_and_value``: torch.func's signatures on torch.autograd, the fast path."""
+"""``grad`` and ``grad_and_value`` on torch.autograd: torch.func's signatures, a faster engine.
+
+Called on their own they return what ``torch.func.grad`` / ``torch.func.grad_and_value`` return.
+Inside [`accumulate()`][gradaccum.accumulate] they are the fast path: each micro-batch's backward
+adds its gradients in place into the accumulator (the boundary buckets, under a sync) as autograd
+produces them, like a hand-written ``loss.backward()`` loop, and the boundary collective of a
+bucket starts as soon as the last micro-batch has produced that bucket's gradients.
+
+Also here: the one ``argnums`` rule (``check_argnums``), the refusal of a call under a
+torch.func transform (``check_no_transform``), and the guard that makes activation checkpointing
+safe under that backward (``CheckpointGuard``).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""The gradient layout (key paths, shapes, dtypes of a params tree), micro-batch weights, checks."""
+"""The gradient layout: key paths, shapes and dtypes of a params tree, and checks against it.
+
+A leaf module: what every other module agrees on about one window's gradients (its tree, its
+accumulation dtypes), each micro-batch's weight (``micro_weight`` for ``Accumulator.add``,
+``weigh`` for ``accumulate``), and the validation of a gradient tree against the layout (with
+messages that name the key path).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The window loop of ``accumulate``: micro-batches through the step function into a window.
 
-One call of an accumulated function is one [`WindowRun`][]: it opens the sync's window, runs
+One call of an accumulated function is one ``WindowRun``: it opens the sync's window, runs
 every micro-batch of the call into it, and closes it at the boundary (or, if anything raised,
 joins the boundary flagged as failed, so that the other ranks raise instead of waiting). Its
 attributes are what the call has reached (the window, the weight and micro-steps counted so
