@@ -51,6 +51,7 @@ class GradFn:
     ) -> None:
         self.fn = fn
         self.argnums = argnums
+        self._positions = (argnums,) if isinstance(argnums, int) else argnums
         self.has_aux = has_aux
         self.with_value = with_value
         functools.update_wrapper(self, fn)
@@ -59,10 +60,6 @@ class GradFn:
 
     def __repr__(self) -> str:
         return f"{self._kind}({self._name}, argnums={self.argnums!r}, has_aux={self.has_aux!r})"
-
-    @property
-    def _positions(self) -> tuple[int, ...]:
-        return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
 
     @property
     def returns_aux(self) -> bool:
@@ -118,8 +115,11 @@ class GradFn:
         self, where: str, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, Any]:
         """Run ``fn`` with grad on: the attached loss, and the detached output beside the grads."""
-        with torch.enable_grad():
+        if torch.is_grad_enabled():  # the common case, without a context manager's calls
             out = self.fn(*args, **kwargs)
+        else:
+            with torch.enable_grad():
+                out = self.fn(*args, **kwargs)
         if self.has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
                 raise TypeError(

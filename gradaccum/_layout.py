@@ -37,7 +37,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "same_dtypes", self.accum_dtypes == self.dtypes)
-        wide = all(d in (torch.float32, torch.float64) for d in self.accum_dtypes)
+        wide = all([d in (torch.float32, torch.float64) for d in self.accum_dtypes])
         object.__setattr__(self, "wide", wide)
 
     # Derived: every leaf accumulates in its own dtype; every leaf accumulates in float32/64.
@@ -98,14 +98,15 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
                 f"only for floating tensors. Move it out of the params pytree (into buffers, or "
                 f"another argument of step_fn)."
             )
-    dtypes = tuple(x.dtype for x in leaves)
+    # List comprehensions, not generators: one call each (this runs at every accumulated call).
+    dtypes = tuple([x.dtype for x in leaves])
     return Layout(
         spec=spec,
         paths=tuple(paths),
-        shapes=tuple(x.shape for x in leaves),
+        shapes=tuple([x.shape for x in leaves]),
         dtypes=dtypes,
         accum_dtypes=_accum_dtypes(dtypes, accum_dtype),
-        devices=tuple(x.device for x in leaves),
+        devices=tuple([x.device for x in leaves]),
     )
 
 
@@ -113,8 +114,8 @@ def _accum_dtypes(
     dtypes: tuple[torch.dtype, ...], accum_dtype: torch.dtype | None
 ) -> tuple[torch.dtype, ...]:
     if accum_dtype is not None:
-        return tuple(accum_dtype for _ in dtypes)
-    return tuple(torch.float32 if d in _LOW_PRECISION else d for d in dtypes)
+        return (accum_dtype,) * len(dtypes)
+    return tuple([torch.float32 if d in _LOW_PRECISION else d for d in dtypes])
 
 
 def with_accum(lay: Layout, accum_dtype: torch.dtype | None) -> Layout:

@@ -171,11 +171,13 @@ class AuxAccumulator:
                 f"but {self._treespec} on the first one; return the same aux structure for "
                 f"every micro-batch."
             )
-        kinds = cast(list[str], self._kinds)
+        kinds = self._kinds
+        assert kinds is not None
         first = not self._acc
         for i, (kind, leaf) in enumerate(zip(kinds, leaves)):
             if isinstance(leaf, torch.Tensor):
-                leaf = leaf.detach()
+                if leaf.requires_grad:  # (grad()'s aux comes detached: no call then)
+                    leaf = leaf.detach()
             elif kind in ("mean", "sum", "count") and not isinstance(leaf, Number):
                 raise TypeError(
                     f"{self._where}: aux leaf {self._paths[i]} is {describe(leaf)}, which "

@@ -138,7 +138,10 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
 
 def _open(tree: Any) -> Any:
     """``tree`` with the mappings optree keeps as leaves (``UserDict``) as dicts, or ``tree``."""
-    if not any(isinstance(x, Mapping) for x in _tree.flatten(tree)[0]):
+    for x in _tree.flatten(tree)[0]:  # a loop, not any(...): tensors need no ABC check
+        if not isinstance(x, torch.Tensor) and isinstance(x, Mapping):
+            break
+    else:
         return tree
     return _tree.map_(lambda x: _open(dict(x)) if isinstance(x, Mapping) else x, tree)
 

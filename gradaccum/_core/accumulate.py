@@ -5,8 +5,9 @@ split -> step_fn on each micro-batch -> add into the window -> boundary (the win
 ``accumulate`` validates its arguments once, when it is called, and bundles them in one frozen
 ``RunOptions``; each call of the function it returns checks its arguments, makes the layout of
 the params, opens the sync's window through one ``WindowRun`` (``_core/engine.py``), splits the
-batch and runs the micro-batches into the window, then closes the window at the boundary. If anything raises, the call joins the boundary flagged
-as failed before re-raising, so that under a sync the other ranks raise too.
+batch and runs the micro-batches into the window, then closes the window at the boundary. If
+anything raises, the call joins the boundary flagged as failed before re-raising, so that under a
+sync the other ranks raise too.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class WindowRun:
         if mean_wide and window.hint:
             self.divisor = window.hint
         elif mean_wide and window.prescale and fast:
-            self.divisor = sum(r for _, r in micro)
+            self.divisor = sum([rows for _, rows in micro])
         if fast:
             self._fast(micro)
         else:
