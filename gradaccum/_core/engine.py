@@ -104,6 +104,7 @@ class WindowRun:
         native: Per leaf, on the fast path: autograd accumulates its gradient in place into the
             window's running sum (its ``.grad``); else a hook hands it to ``Window.grad``.
         alpha: The scale that the ``Window.grad`` hooks apply to the running backward.
+        seeds: The backward seeds by ``(scale, dtype, device)``, made once per call.
         leaves: The autograd leaves aliasing the params of the running micro-batch.
     """
 
@@ -131,6 +132,7 @@ class WindowRun:
         # The fast path's backward state, shared with its hooks.
         self.native: list[bool] = []
         self.alpha: float = 1
+        self.seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
         self.leaves: list[torch.Tensor] = []
         self.adopted: set[int] = set()
         self.hooks: list[Any] = []  # the hooks removed when the leaves are re-aliased
@@ -256,12 +258,11 @@ class WindowRun:
         assert window is not None
         assert opts.fast is not None
         fn, lay, batch_argnum = opts.fast, window.layout, opts.batch_argnum
-        same = lay.same_dtypes  # the seed may carry the scale: no rounding other than the sums'
+        same = lay.same_dtypes
         self.native = native = [same and not window.streams(i) for i in range(len(lay.shapes))]
         window.prepare(zero=not all(native))
         argnum = opts.argnum
         given = self.args[argnum] if argnum is not None else None
-        seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
         guard = CheckpointGuard(call)
         last, params = len(micro) - 1, None
         new_args: list[Any] = []
@@ -283,19 +284,8 @@ class WindowRun:
                     window.seal(self.weight)
                     if window.overlap:
                         self._report_ready()
-                leaves = self.leaves
-                if leaves and value.requires_grad:
-                    seed = None
-                    if same:
-                        key = (scale, value.dtype, value.device)
-                        seed = seeds.get(key)
-                        if seed is None:
-                            seed = seeds[key] = torch.full(
-                                (), scale, dtype=value.dtype, device=value.device
-                            )
-                    else:
-                        self.alpha = scale
-                    guard.backward(value, seed, leaves, (new_args, self.kwargs))
+                if self.leaves and value.requires_grad:
+                    self._backward(guard, value, scale, new_args)
                 if j == 0:
                     self._adopt_first()
                 window.step()
@@ -311,6 +301,25 @@ class WindowRun:
                 h.remove()
             for leaf in self.leaves:
                 leaf.grad = None
+
+    def _backward(
+        self, guard: CheckpointGuard, value: torch.Tensor, scale: float, args: list[Any]
+    ) -> None:
+        """Backward of ``value`` into the leaves, its gradient scaled by ``scale``.
+
+        When every leaf accumulates in its own dtype, the seed carries the scale (no rounding
+        other than the sums'); otherwise the ``Window.grad`` hooks apply it.
+        """
+        seed = None
+        if self.window.layout.same_dtypes:  # type: ignore[union-attr]
+            key = (scale, value.dtype, value.device)
+            seed = self.seeds.get(key)
+            if seed is None:
+                seed = torch.full((), scale, dtype=value.dtype, device=value.device)
+                self.seeds[key] = seed
+        else:
+            self.alpha = scale
+        guard.backward(value, seed, self.leaves, (args, self.kwargs))
 
     def _alias(self, j: int, args: list[Any]) -> list[Any]:
         """Fresh autograd leaves for micro-step ``j``'s params; the args that hold them."""
