@@ -1,4 +1,15 @@
-"""``grad`` and ``grad_and_value``: torch.func's signatures on torch.autograd, the fast path."""
+"""``grad`` and ``grad_and_value`` on torch.autograd: torch.func's signatures, a faster engine.
+
+Called on their own they return what ``torch.func.grad`` / ``torch.func.grad_and_value`` return.
+Inside [`accumulate()`][gradaccum.accumulate] they are the fast path: each micro-batch's backward
+adds its gradients in place into the accumulator (the boundary buckets, under a sync) as autograd
+produces them, like a hand-written ``loss.backward()`` loop, and the boundary collective of a
+bucket starts as soon as the last micro-batch has produced that bucket's gradients.
+
+Also here: the one ``argnums`` rule (``check_argnums``), the refusal of a call under a
+torch.func transform (``check_no_transform``), and the guard that makes activation checkpointing
+safe under that backward (``CheckpointGuard``).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +17,6 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -19,6 +29,7 @@ __all__ = [
     "CheckpointGuard",
     "GradFn",
     "active_transform",
+    "check_argnums",
     "check_no_transform",
     "explain_checkpoint",
     "from_torch_func",
@@ -40,6 +51,7 @@ class GradFn:
     ) -> None:
         self.fn = fn
         self.argnums = argnums
+        self._positions = (argnums,) if isinstance(argnums, int) else argnums
         self.has_aux = has_aux
         self.with_value = with_value
         functools.update_wrapper(self, fn)
@@ -48,10 +60,6 @@ class GradFn:
 
     def __repr__(self) -> str:
         return f"{self._kind}({self._name}, argnums={self.argnums!r}, has_aux={self.has_aux!r})"
-
-    @property
-    def _positions(self) -> tuple[int, ...]:
-        return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
 
     @property
     def returns_aux(self) -> bool:
@@ -71,10 +79,7 @@ class GradFn:
         new_args, leaves, spec = self.alias(where, args)
         value, aux = self.forward(where, new_args, kwargs)
         if leaves and value.requires_grad:
-            with CheckpointGuard(where, leaves, (new_args, kwargs)):
-                grads = torch.autograd.grad(
-                    value, leaves, allow_unused=True, materialize_grads=True
-                )
+            grads = CheckpointGuard(where).grad(value, leaves, (new_args, kwargs))
         else:  # the output does not depend on the params: their gradient is zero
             grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
         tree = _tree.unflatten(spec, grads)
@@ -110,8 +115,11 @@ class GradFn:
         self, where: str, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, Any]:
         """Run ``fn`` with grad on: the attached loss, and the detached output beside the grads."""
-        with torch.enable_grad():
+        if torch.is_grad_enabled():  # the common case, without a context manager's calls
             out = self.fn(*args, **kwargs)
+        else:
+            with torch.enable_grad():
+                out = self.fn(*args, **kwargs)
         if self.has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
                 raise TypeError(
@@ -248,7 +256,7 @@ def from_torch_func(fn: object) -> GradFn | None:
     try:
         cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))  # type: ignore[union-attr]
         func, argnums, has_aux = cells["func"], cells["argnums"], cells["has_aux"]
-        argnums = _check_argnums("grad", argnums)
+        check_argnums("torch.func.grad(fn, argnums=...)", argnums)
         has_aux = _check_has_aux("grad", has_aux)
     except (KeyError, ValueError, TypeError):
         return None
@@ -264,24 +272,38 @@ def _make(name: str, fn: Any, argnums: object, has_aux: object, with_value: bool
             f"got {describe(fn)}; pass the loss function itself, e.g. gradaccum.{name}(loss_fn) "
             f"with loss_fn(params, batch) -> loss."
         )
-    return GradFn(fn, _check_argnums(name, argnums), _check_has_aux(name, has_aux), with_value)
+    check_argnums(f"gradaccum.{name}(fn, argnums=...)", argnums)
+    return GradFn(fn, argnums, _check_has_aux(name, has_aux), with_value)  # type: ignore[arg-type]
 
 
-def _check_argnums(name: str, argnums: object) -> int | tuple[int, ...]:
-    ok_int = isinstance(argnums, int) and not isinstance(argnums, bool) and argnums >= 0
-    ok_tuple = (
-        isinstance(argnums, tuple)
-        and len(argnums) > 0
-        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in argnums)
-        and len(set(argnums)) == len(argnums)
+def check_argnums(where: str, argnums: object) -> tuple[int, ...]:
+    """Validate ``argnums`` as torch.func does; return its positions as a tuple.
+
+    One rule for ``grad``, ``grad_and_value`` and ``accumulate``: a non-negative int, or a
+    non-empty tuple of distinct non-negative ints. A wrong kind raises ``TypeError``, a wrong
+    value (negative, repeated) ``ValueError``, with the same message.
+
+    Examples:
+        >>> check_argnums("f(argnums=...)", (0, 2))
+        (0, 2)
+        >>> check_argnums("f(argnums=...)", (0, 0))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: f(argnums=...): argnums must be a non-negative int or a non-empty tuple of ...
+    """
+    nums: Any = (argnums,) if isinstance(argnums, int) else argnums
+    kind_ok = (
+        isinstance(nums, tuple)
+        and len(nums) > 0
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in nums)
     )
-    if not (ok_int or ok_tuple):
-        raise TypeError(
-            f"gradaccum.{name}(fn, argnums=...): argnums must be a non-negative int or a "
-            f"non-empty tuple of distinct non-negative ints, as in torch.func.{name}, got "
-            f"{describe(argnums)}; pass e.g. argnums=0."
-        )
-    return argnums  # type: ignore[return-value]
+    if kind_ok and min(nums) >= 0 and len(set(nums)) == len(nums):
+        return nums  # type: ignore[no-any-return]
+    raise (ValueError if kind_ok else TypeError)(
+        f"{where}: argnums must be a non-negative int or a non-empty tuple of distinct "
+        f"non-negative ints, as in torch.func.grad, got {type(argnums).__name__} {argnums!r}; "
+        f"pass e.g. argnums=0, or argnums=(0, 2) for several arguments."
+    )
 
 
 def _check_has_aux(name: str, has_aux: object) -> bool:
@@ -390,25 +412,53 @@ _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lam
 
 
 class CheckpointGuard:
-    """Around a backward of ``leaves``: refuse what activation checkpointing would get wrong."""
+    """Around a backward of ``leaves``: refuse what activation checkpointing would get wrong.
+
+    One guard serves every backward of a window: each call names its leaves and arguments.
+    """
 
     # A non-reentrant checkpoint recomputes its block during the backward, after functional_call
     # has returned, so the block reads the module's own parameters: each module run then must
     # hold the tensors of the leaves or of the call's args, or the gradient would silently use
     # other weights. A reentrant checkpoint refuses inputs=: its error is replaced by the fix.
 
-    def __init__(self, where: str, leaves: Sequence[torch.Tensor], args: Any) -> None:
-        self.where, self.leaves, self.args = where, leaves, args
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.leaves: Sequence[torch.Tensor] = ()
+        self.args: Any = None
         self.keys: set[tuple[Any, ...] | None] | None = None  # built at the first recompute
 
-    def __enter__(self) -> None:
-        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
-
-    def __exit__(
-        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    def backward(
+        self, value: torch.Tensor, seed: torch.Tensor | None, leaves: list[torch.Tensor], args: Any
     ) -> None:
-        self.handle.remove()
-        if isinstance(err, RuntimeError) and _REENTRANT.search(str(err)):
+        """``torch.autograd.backward(value, seed, inputs=leaves)``, guarded; ``args``: the call."""
+        self.leaves, self.args, self.keys = leaves, args, None
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
+        try:
+            torch.autograd.backward(value, seed, inputs=leaves)
+        except RuntimeError as err:
+            self._reentrant(err)
+            raise
+        finally:
+            handle.remove()
+
+    def grad(
+        self, value: torch.Tensor, leaves: list[torch.Tensor], args: Any
+    ) -> tuple[torch.Tensor, ...]:
+        """``torch.autograd.grad`` of ``value`` for ``leaves`` (zeros for unused ones), guarded."""
+        self.leaves, self.args, self.keys = leaves, args, None
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
+        try:
+            return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+        except RuntimeError as err:
+            self._reentrant(err)
+            raise
+        finally:
+            handle.remove()
+
+    def _reentrant(self, err: RuntimeError) -> None:
+        """Replace torch's error for a reentrant checkpoint by the fix."""
+        if _REENTRANT.search(str(err)):
             raise ValueError(
                 f"{self.where}: the loss function uses torch.utils.checkpoint with "
                 f"use_reentrant=True, which cannot run under gradaccum's backward: it refuses "

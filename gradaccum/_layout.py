@@ -1,4 +1,10 @@
-"""The gradient layout (key paths, shapes, dtypes of a params tree), micro-batch weights, checks."""
+"""The gradient layout: key paths, shapes and dtypes of a params tree, and checks against it.
+
+A leaf module: what every other module agrees on about one window's gradients (its tree, its
+accumulation dtypes), each micro-batch's weight (``micro_weight`` for ``Accumulator.add``,
+``weigh`` for ``accumulate``), and the validation of a gradient tree against the layout (with
+messages that name the key path).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "same_dtypes", self.accum_dtypes == self.dtypes)
-        wide = all(d in (torch.float32, torch.float64) for d in self.accum_dtypes)
+        wide = all([d in (torch.float32, torch.float64) for d in self.accum_dtypes])
         object.__setattr__(self, "wide", wide)
 
     # Derived: every leaf accumulates in its own dtype; every leaf accumulates in float32/64.
@@ -92,14 +98,15 @@ def make_layout(where: str, params: Any, accum_dtype: torch.dtype | None) -> Lay
                 f"only for floating tensors. Move it out of the params pytree (into buffers, or "
                 f"another argument of step_fn)."
             )
-    dtypes = tuple(x.dtype for x in leaves)
+    # List comprehensions, not generators: one call each (this runs at every accumulated call).
+    dtypes = tuple([x.dtype for x in leaves])
     return Layout(
         spec=spec,
         paths=tuple(paths),
-        shapes=tuple(x.shape for x in leaves),
+        shapes=tuple([x.shape for x in leaves]),
         dtypes=dtypes,
         accum_dtypes=_accum_dtypes(dtypes, accum_dtype),
-        devices=tuple(x.device for x in leaves),
+        devices=tuple([x.device for x in leaves]),
     )
 
 
@@ -107,8 +114,8 @@ def _accum_dtypes(
     dtypes: tuple[torch.dtype, ...], accum_dtype: torch.dtype | None
 ) -> tuple[torch.dtype, ...]:
     if accum_dtype is not None:
-        return tuple(accum_dtype for _ in dtypes)
-    return tuple(torch.float32 if d in _LOW_PRECISION else d for d in dtypes)
+        return (accum_dtype,) * len(dtypes)
+    return tuple([torch.float32 if d in _LOW_PRECISION else d for d in dtypes])
 
 
 def with_accum(lay: Layout, accum_dtype: torch.dtype | None) -> Layout:
@@ -158,10 +165,16 @@ def weigh(
     rows: int,
     aux: Any,
 ) -> tuple[Any, _reduce.Weight | None, int, _reduce.Weight]:
-    """One micro-batch's ``(raw count, checked count, alpha, weight)`` in ``accumulate``."""
-    raw = count(aux) if count is not None else None
-    items = _reduce.check_count(call, raw) if count is not None else None
-    return raw, items, *micro_weight(call, reduction, rows, items)
+    """One micro-batch's ``(raw count, checked count, alpha, weight)`` in ``accumulate``.
+
+    ``rows`` comes from the split (a positive int); under ``count``, ``count(aux)`` is checked.
+    The pair ``(alpha, weight)`` is what ``micro_weight`` gives for those values.
+    """
+    if count is None:  # mean or sum: weighted by the rows
+        return None, None, rows if reduction == "mean" else 1, rows
+    raw = count(aux)
+    items = _reduce.check_count(call, raw)
+    return raw, items, 1, items
 
 
 def check_grads(where: str, lay: Layout, grads: Any) -> list[torch.Tensor]:

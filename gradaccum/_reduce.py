@@ -1,9 +1,18 @@
 """Reductions: how micro-batch gradients and aux outputs combine into the window's result.
 
-A micro-batch ``i`` adds ``alpha_i * g_i`` to the running sum and ``w_i`` to the running weight;
-the boundary divides the sum by the total weight (not for ``sum``). The table of ``alpha_i``,
-``w_i`` and the result per reduction is in docs/concepts.md ("Why the result equals the whole
-batch").
+A micro-batch ``i`` contributes ``alpha_i * g_i`` to the running sum and ``w_i`` to the running
+weight; at the boundary the sum is divided by the total weight (or not, for ``sum``):
+
+============  =======================  ==========  =============================
+reduction     step_fn returns          alpha_i     result
+============  =======================  ==========  =============================
+``mean``      grad of the mean loss    rows_i      sum(rows_i g_i) / sum(rows_i)
+``sum``       grad of any loss         1           sum(g_i)
+``count``     grad of a summed loss    1           sum(g_i) / sum(count_i)
+============  =======================  ==========  =============================
+
+Each row is the gradient over the whole batch, however it is split (docs/concepts.md, "Why the
+result equals the whole batch"). ``AuxAccumulator`` combines the aux outputs leaf by leaf.
 """
 
 from __future__ import annotations
@@ -99,6 +108,19 @@ class AuxAccumulator:
     gradient ``reduction`` (under ``count``, the leaf ``count(aux)`` returns gets ``sum``).
     """
 
+    __slots__ = (
+        "_acc",
+        "_count_total",
+        "_default",
+        "_kinds",
+        "_paths",
+        "_reduction",
+        "_size_total",
+        "_spec",
+        "_treespec",
+        "_where",
+    )
+
     def __init__(self, where: str, spec: Any, reduction: Reduction) -> None:
         self._where = where
         self._default = spec is None
@@ -149,11 +171,13 @@ class AuxAccumulator:
                 f"but {self._treespec} on the first one; return the same aux structure for "
                 f"every micro-batch."
             )
-        kinds = cast(list[str], self._kinds)
+        kinds = self._kinds
+        assert kinds is not None
         first = not self._acc
         for i, (kind, leaf) in enumerate(zip(kinds, leaves)):
             if isinstance(leaf, torch.Tensor):
-                leaf = leaf.detach()
+                if leaf.requires_grad:  # (grad()'s aux comes detached: no call then)
+                    leaf = leaf.detach()
             elif kind in ("mean", "sum", "count") and not isinstance(leaf, Number):
                 raise TypeError(
                     f"{self._where}: aux leaf {self._paths[i]} is {describe(leaf)}, which "

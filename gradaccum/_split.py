@@ -1,9 +1,12 @@
-"""Split a batch pytree into micro-batches along dim 0 (views, no copies).
+"""Split a batch pytree into micro-batches along dim 0.
 
-Tensor leaves are split, other leaves go whole to every micro-batch; uneven splits are as
-``numpy.array_split`` (docs/concepts.md, "Uneven splits"). A mapping that optree keeps as a leaf
-(``collections.UserDict``, transformers' ``BatchEncoding``) is split by its values and rebuilt
-with its own type.
+An even split uses einops (``(n b) ... -> n b ...``) and yields views, no copies. When ``n`` does
+not divide the batch, the first ``B % n`` micro-batches get one extra row (as
+``numpy.array_split``, docs/concepts.md, "Uneven splits"); the reductions weight every
+micro-batch by its real size, so the result is still exact. Tensor leaves are split; every other
+leaf (an int, a string, a flag) is passed unchanged to every micro-batch. A mapping that optree
+keeps as a leaf (``collections.UserDict``, transformers' ``BatchEncoding``) is split by its
+values and rebuilt with its own type.
 """
 
 from __future__ import annotations
@@ -135,7 +138,10 @@ def _rows(where: str, batch: Any) -> tuple[list[str], list[Any], Any, int]:
 
 def _open(tree: Any) -> Any:
     """``tree`` with the mappings optree keeps as leaves (``UserDict``) as dicts, or ``tree``."""
-    if not any(isinstance(x, Mapping) for x in _tree.flatten(tree)[0]):
+    for x in _tree.flatten(tree)[0]:  # a loop, not any(...): tensors need no ABC check
+        if not isinstance(x, torch.Tensor) and isinstance(x, Mapping):
+            break
+    else:
         return tree
     return _tree.map_(lambda x: _open(dict(x)) if isinstance(x, Mapping) else x, tree)
 

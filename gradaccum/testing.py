@@ -1,7 +1,11 @@
 """Check your own step function: accumulated gradient against the whole-batch gradient.
 
-``compare`` and ``assert_equivalent`` compare them leaf by leaf at tolerances chosen from the
-dtype; ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
+``compare`` runs ``accumulate(step_fn, n)`` and ``step_fn`` on the whole batch and reports the
+worst leaf by key path, at tolerances chosen from the dtype. ``assert_equivalent`` raises when
+they differ. ``nonfinite`` and ``assert_finite`` find NaN/inf gradient leaves.
+
+Things that make the two differ, on purpose: BatchNorm (statistics per micro-batch), dropout
+(different random draws), losses normalised per micro-batch (use ``reduction="count"``).
 """
 
 from __future__ import annotations

@@ -304,3 +304,29 @@ def test_checker_counts_every_kind_of_import(toy: Path) -> None:
         ("_a", "_b"),
         ("_b", "_a"),
     ]
+
+
+# A function takes at most this many parameters (self and cls not counted): more is a bundle of
+# state or options that wants a name (the engine's WindowRun and RunOptions). Public signatures
+# are the API and are exempt: they are listed here, "module: function".
+MAX_PARAMS = 8
+PUBLIC_SIGNATURES = {
+    "_core/accumulate.py: accumulate",  # its keyword options
+    "loop/_step.py: __init__",  # gradaccum.loop.Step(...)
+}
+
+
+def test_no_private_function_takes_more_than_eight_parameters() -> None:
+    over = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            count = len([x for x in names if x not in ("self", "cls")])
+            count += (a.vararg is not None) + (a.kwarg is not None)
+            where = f"{path.relative_to(PACKAGE).as_posix()}: {node.name}"
+            if count > MAX_PARAMS and where not in PUBLIC_SIGNATURES:
+                over.append(f"{where} (line {node.lineno}, {count} parameters)")
+    assert not over, over

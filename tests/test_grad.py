@@ -303,10 +303,10 @@ def predict_all(p: Any, b: Any) -> torch.Tensor:
         ),
         (
             lambda: gradaccum.grad(mean_loss, argnums=-1),
-            TypeError,
+            ValueError,
             "gradaccum.grad(fn, argnums=...): argnums must be a non-negative int or a non-empty "
             "tuple of distinct non-negative ints, as in torch.func.grad, got int -1; pass e.g. "
-            "argnums=0.",
+            "argnums=0, or argnums=(0, 2) for several arguments.",
         ),
         (
             lambda: gradaccum.grad_and_value(mean_loss, has_aux=1),
@@ -342,6 +342,29 @@ def predict_all(p: Any, b: Any) -> torch.Tensor:
 def test_errors(call: Any, exc: type[BaseException], message: str) -> None:
     with raises(exc, message):
         call()
+
+
+@pytest.mark.parametrize(
+    ("argnums", "exc", "got"),
+    [
+        pytest.param(-1, ValueError, "int -1", id="negative"),
+        pytest.param((0, 0), ValueError, "tuple (0, 0)", id="repeated"),
+        pytest.param((), TypeError, "tuple ()", id="empty"),
+        pytest.param("0", TypeError, "str '0'", id="str"),
+    ],
+)
+def test_argnums_one_rule(argnums: Any, exc: type[BaseException], got: str) -> None:
+    # grad, grad_and_value and accumulate validate argnums with one rule and one message.
+    rule = (
+        f"argnums must be a non-negative int or a non-empty tuple of distinct non-negative ints, "
+        f"as in torch.func.grad, got {got}; pass e.g. argnums=0, or argnums=(0, 2) for several "
+        f"arguments."
+    )
+    for name in ("grad", "grad_and_value"):
+        with raises(exc, f"gradaccum.{name}(fn, argnums=...): {rule}"):
+            getattr(gradaccum, name)(mean_loss, argnums=argnums)
+    with raises(exc, f"accumulate(mean_loss, n=2): {rule}"):
+        gradaccum.accumulate(mean_loss, 2, argnums=argnums, batch_argnum=5)
 
 
 def test_repr_and_wraps() -> None:

@@ -844,14 +844,14 @@ case(
     "grad-argnums-negative",
     dict,
     lambda ns: gradaccum.grad(mean_loss, argnums=-1),
-    TypeError,
+    ValueError,
     "argnums",
 )
 case(
     "grad-argnums-duplicate",
     dict,
     lambda ns: gradaccum.grad(mean_loss, argnums=(0, 0)),
-    TypeError,
+    ValueError,
     "argnums",
 )
 case(

@@ -1,4 +1,14 @@
-"""``accumulate``, a transform: split -> step_fn per micro-batch -> add -> boundary."""
+"""``accumulate``: the micro-batch loop as a higher-order transform.
+
+split -> step_fn on each micro-batch -> add into the window -> boundary (the window's finish).
+
+``accumulate`` validates its arguments once, when it is called, and bundles them in one frozen
+``RunOptions``; each call of the function it returns checks its arguments, makes the layout of
+the params, opens the sync's window through one ``WindowRun`` (``_core/engine.py``), splits the
+batch and runs the micro-batches into the window, then closes the window at the boundary. If
+anything raises, the call joins the boundary flagged as failed before re-raising, so that under a
+sync the other ranks raise too.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +19,11 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from .. import _reduce, _split
-from .._autograd import GradFn, check_no_transform, from_torch_func
+from .._autograd import GradFn, check_argnums, check_no_transform, from_torch_func
 from .._errors import describe
 from .._layout import Layout, check_accum_dtype, check_n
 from . import engine
-from .protocol import LOCAL, Sync, WindowSpec, check_sync
-from .state import AccumState
+from .protocol import LOCAL, Sync, check_sync
 
 __all__ = ["accumulate"]
 
@@ -196,75 +205,52 @@ def accumulate(
         _check_fast(where, grad_fn, argnums, has_aux)
     # The fast path adds each backward straight into the sums: no gradient tree to transform.
     fast = grad_fn if micro_transform is None else None
-    # A torch.func step function stays traceable when the accumulated function is compiled.
-    traceable = fast is not None and not isinstance(step_fn, GradFn)
-    kind: Sync = sync if sync is not None else LOCAL
-    argnum = argnums if isinstance(argnums, int) else None
+    opts = engine.RunOptions(
+        step_fn=step_fn,
+        fast=fast,
+        # A torch.func step function stays traceable when the accumulated function is compiled.
+        traceable=fast is not None and not isinstance(step_fn, GradFn),
+        sync=sync if sync is not None else LOCAL,
+        n=n,
+        batch_argnum=batch_argnum,
+        argnum=argnums if isinstance(argnums, int) else None,
+        reduction=reduction,
+        count=count,
+        has_aux=has_aux,
+        aux_reduction=aux_reduction,
+        micro_transform=micro_transform,
+    )
+    kind, argnum, top = opts.sync, opts.argnum, max(batch_argnum, *grad_args)
     seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
     opened = [0]  # windows opened (failed ones too): the next window's index, on every rank
 
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
         check_no_transform(call)  # before anything: a refused call changes nothing
-        if len(args) <= max(batch_argnum, *grad_args):
+        if len(args) <= top:
             raise TypeError(
                 f"{call}: expected the params at position(s) {list(grad_args)} and the batch "
                 f"at position {batch_argnum}, got {len(args)} positional argument(s); pass them "
                 f"positionally, e.g. step(params, batch)."
             )
         target = args[argnum] if argnum is not None else tuple(args[i] for i in grad_args)
-        aux_acc = _reduce.AuxAccumulator(call, aux_reduction, reduction) if has_aux else None
-        win = engine.Progress()
-        spec, prev = None, seen[0] if seen else None
-        on_fast = fast is not None  # the same on every rank: ready() order can be agreed on
         index = 0
         if not torch.compiler.is_compiling():  # traced, the count would recompile every call
             index = opened[0]
             opened[0] += 1
+        run = engine.WindowRun(call, opts, args, kwargs, target, index)
         try:
             lay = kind.layout(call, target, accum_dtype, argnums)
             _check_not_empty(call, lay, target, argnums)
             seen[:] = [lay]
-            spec = WindowSpec(
-                call, lay, reduction, n, False, kind.state, target, fast=on_fast, index=index
-            )
-            win.state = AccumState(None, 0, 0, 0, lay)
-            win.opening = True
-            win.window = kind.open(spec)
-            micro = _split.split(call, args[batch_argnum], n, short_ok=sync is not None)
-            engine.run(
-                call,
-                step_fn,
-                fast,
-                args,
-                kwargs,
-                micro,
-                win,
-                aux_acc,
-                batch_argnum=batch_argnum,
-                argnum=argnum,
-                reduction=reduction,
-                count=count,
-                has_aux=has_aux,
-                micro_transform=micro_transform,
-                traceable=traceable,
-            )
-        except Exception:  # join the boundary flagged as failed (see engine.abort)
-            if spec is None and prev is not None:
-                spec = WindowSpec(
-                    call, prev, reduction, n, False, kind.state, target, fast=on_fast, index=index
-                )
-            engine.abort(win, kind, spec)
+            run.open(lay)
+            run.run(_split.split(call, args[batch_argnum], n, short_ok=sync is not None))
+        except Exception:  # join the boundary flagged as failed (see WindowRun.abort)
+            run.abort(seen[0] if seen else None)
             raise
-        # The boundary: the one place that communicates (with sync=).
-        grads = win.window.finish(win.state.weight)
-        kind.load_state(win.window.state)
-        if aux_acc is not None:
-            aux_out = aux_acc.result() if win.state.micro_step else None
-            return (grads, aux_out)  # type: ignore[return-value]
-        return grads  # type: ignore[no-any-return]
+        return run.finish()  # type: ignore[no-any-return]
 
-    if fast is not None and not traceable:
+    if fast is not None and not opts.traceable:
         # Autograd hooks and .grad writes cannot be traced: under torch.compile the call runs
         # eagerly, through a clean graph break here. A break inside the window (in a try block)
         # would make Dynamo skip this code object for every accumulated function in the process.
@@ -287,22 +273,7 @@ def _check_argnums(where: str, argnums: object, batch_argnum: object) -> tuple[i
             f"{describe(batch_argnum)}; pass the position of the batch among step_fn's "
             f"positional arguments, e.g. batch_argnum=1 for step_fn(params, batch)."
         )
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    if (
-        not isinstance(nums, tuple)
-        or not nums
-        or any(isinstance(i, bool) or not isinstance(i, int) for i in nums)
-    ):
-        raise TypeError(
-            f"{where}: argnums must be an int or a non-empty tuple of ints, as in "
-            f"torch.func.grad, got {describe(argnums)}; pass e.g. argnums=0, or argnums=(0, 2) "
-            f"for several arguments."
-        )
-    if any(i < 0 for i in nums):
-        raise ValueError(
-            f"{where}: argnums must be non-negative, got {argnums!r}; pass the positions "
-            f"counted from the first argument, e.g. argnums=0."
-        )
+    nums = check_argnums(where, argnums)
     if batch_argnum in nums:
         raise ValueError(
             f"{where}: batch_argnum={batch_argnum} is also in argnums={argnums!r}; the batch is "

@@ -1,4 +1,11 @@
-"""``Accumulator``: streaming accumulation (optax ``MultiSteps``-style) over an ``AccumState``."""
+"""``Accumulator``: streaming accumulation over an ``AccumState`` pytree.
+
+For loops that are fed one micro-batch at a time (a DataLoader of micro-batches), in the manner of
+optax's ``MultiSteps``: the micro-step counter and the running sums live in the state, which the
+methods take and return, so a checkpoint taken mid-window resumes exactly. Each method opens (or
+takes over) the sync's window for the state, so the same ``Window`` protocol serves
+``accumulate`` and ``Accumulator``.
+"""
 
 from __future__ import annotations
 
@@ -114,7 +121,7 @@ class Accumulator:
         where = "Accumulator.init(params)"
         lay = self._sync.layout(where, params, self.accum_dtype)
         sums = _metrics.zeros(_metrics.check_names(where, metrics), _metrics.device_of(lay))
-        return AccumState(None, 0, 0, 0, lay, metrics=sums)
+        return AccumState(sums=None, weight=0, micro_step=0, window=0, layout=lay, metrics=sums)
 
     @property
     def _sync(self) -> Sync:
@@ -139,9 +146,18 @@ class Accumulator:
 
         ``sig``: the window's metrics, ``(name, shape)`` pairs sorted by name.
         """
-        names, shapes = tuple(k for k, _ in sig), tuple(shape for _, shape in sig)
-        rest = {"index": at[0], "epoch": at[1], "metrics": names, "metric_shapes": shapes}
-        return WindowSpec(where, state.layout, self.reduction, n, True, state.reduce_state, **rest)
+        return WindowSpec(
+            where=where,
+            layout=state.layout,
+            reduction=self.reduction,
+            n=n,
+            agree_n=True,
+            state=state.reduce_state,
+            index=at[0],
+            epoch=at[1],
+            metrics=tuple(name for name, _ in sig),
+            metric_shapes=tuple(shape for _, shape in sig),
+        )
 
     def window_size(self, state: AccumState[T]) -> int:
         """The number of micro-batches of the current window (evaluates a schedule)."""
@@ -285,11 +301,7 @@ class Accumulator:
         if sig:
             window.metrics = list(state.metrics.values())
         grads = window.finish(state.weight)
-        carried = _metrics.zeros(sig, _metrics.device_of(state.layout))
-        new = AccumState(
-            None, 0, 0, state.window + 1, state.layout, window.state, None, carried, state.epoch
-        )
-        out = pass_on(state, new, by)
+        out = pass_on(state, self._next(state, window.state, sig), by)
         if not stats:
             return grads, out, None
         if window.totals is None:
@@ -330,19 +342,24 @@ class Accumulator:
         sig = _metrics.signature(state.metrics)
         with contextlib.suppress(Exception):  # the caller's error is the one to report
             self._window(where, state, self.window_size(state), sig).abort(state.weight)
-        carried = _metrics.zeros(sig, _metrics.device_of(state.layout))
-        new = AccumState(
-            None,
-            0,
-            0,
-            state.window + 1,
-            state.layout,
-            state.reduce_state,
-            None,
-            carried,
-            state.epoch,
+        return pass_on(state, self._next(state, state.reduce_state, sig), "abort()")
+
+    def _next(self, state: AccumState[T], reduce_state: Any, sig: Any) -> AccumState[T]:
+        """A fresh state for the window after ``state``'s, carrying the sync's ``reduce_state``.
+
+        It holds zeros under the metrics' names (``sig``): what its window sends if it is empty.
+        """
+        return AccumState(
+            sums=None,
+            weight=0,
+            micro_step=0,
+            window=state.window + 1,
+            layout=state.layout,
+            reduce_state=reduce_state,
+            ticket=None,
+            metrics=_metrics.zeros(sig, _metrics.device_of(state.layout)),
+            epoch=state.epoch,
         )
-        return pass_on(state, new, "abort()")
 
     def end_epoch(self, state: AccumState[T]) -> AccumState[T]:
         """Mark the end of an epoch: the next window is the first of the next epoch.

@@ -1,8 +1,23 @@
 """The window loop of ``accumulate``: micro-batches through the step function into a window.
 
-A [`grad()`][gradaccum.grad] step function takes the fast path (backward straight into the
-window's storage); any other returns a gradient tree, which is checked and added. Both are step 3
-of "One window's life" in ``docs/architecture.md``; nothing here knows which sync it is.
+One call of an accumulated function is one ``WindowRun``: it opens the sync's window, runs
+every micro-batch of the call into it, and closes it at the boundary (or, if anything raised,
+joins the boundary flagged as failed, so that the other ranks raise instead of waiting). Its
+attributes are what the call has reached (the window, the weight and micro-steps counted so
+far) and, on the fast path, what the backward hooks share; its methods are those hooks.
+
+Two paths run the micro-batches:
+
+- the fast path, for a [`grad()`][gradaccum.grad] step function (or one that
+  ``torch.func.grad`` returned): each backward adds straight into the window's storage, through
+  ``.grad`` for a leaf that accumulates in its own dtype (autograd sums it in place) and through
+  ``Window.grad`` (a hook) for any other;
+- the generic path, for any other step function: it returns a gradient tree, which is checked
+  and added with ``Window.add``.
+
+Both are step 3 of "One window's life" in ``docs/architecture.md``; nothing here knows which
+sync it is: the window's ``hint`` / ``prescale`` / ``overlap`` and ``streams(i)`` are read, not
+sniffed.
 """
 
 from __future__ import annotations
@@ -10,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,245 +33,370 @@ import torch
 from .. import _reduce, _tree
 from .._autograd import CheckpointGuard, GradFn, explain_checkpoint
 from .._errors import describe
-from .._layout import check_grads, weigh
+from .._layout import Layout, check_grads, weigh
 from .protocol import Sync, Window, WindowSpec
-from .state import AccumState
 
-__all__ = ["Progress", "abort", "run"]
-
-
-class Progress:
-    """What a call has reached, so that the error path can join the boundary consistently."""
-
-    state: AccumState[Any] | None = None
-    window: Window | None = None
-    opening = False  # the sync's open() was called (if it raised, it is not called again)
+__all__ = ["RunOptions", "WindowRun"]
 
 
-def run(
-    call: str,
-    step_fn: Callable[..., Any],
-    fast: GradFn | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    micro: list[tuple[Any, int]],
-    win: Progress,
-    aux_acc: _reduce.AuxAccumulator | None,
-    *,
-    batch_argnum: int,
-    argnum: int | None,
-    reduction: _reduce.Reduction,
-    count: Callable[[Any], Any] | None,
-    has_aux: bool,
-    micro_transform: Callable[[Any], Any] | None,
-    traceable: bool = False,
-) -> None:
-    """Run the window's micro-batches; the state and window in ``win`` record the progress.
+@dataclass(frozen=True)
+class RunOptions:
+    """How every call of one accumulated function runs: built once, when ``accumulate`` is called.
 
-    ``traceable``: ``fast`` came from a torch.func function, which Dynamo traces on the generic
-    path when this frame is being compiled. A ``micro_transform`` with ``sums_rows = True``
-    returns a sum over the micro-batch's rows: under ``mean`` it is added unweighted (the
-    window's total rows divide the sum at the boundary), not weighted by its rows.
+    Attributes:
+        step_fn: The step function as given.
+        fast: Its torch.autograd twin (a ``GradFn``) when it takes the fast path, else None.
+        traceable: ``fast`` came from a torch.func function, which Dynamo traces on the generic
+            path when the accumulated function is being compiled.
+        sync: The sync (``LOCAL`` for ``sync=None``).
+        n: The number of micro-batches.
+        batch_argnum: The position of the batch argument.
+        argnum: The position of the params for an int ``argnums``; None for a tuple.
+        reduction: ``"mean"``, ``"sum"`` or ``"count"``.
+        count: With ``reduction="count"``, the function from a micro-batch's aux to its count.
+        has_aux: The step function returns ``(grads, aux)``.
+        aux_reduction: How the aux combines over micro-batches (see ``accumulate``).
+        micro_transform: The function applied to each micro-batch's gradient tree, or None.
+        summed: Derived: under ``mean``, ``micro_transform`` returns a sum over the micro-batch's
+            rows (``sums_rows = True``), added unweighted: the boundary divides by the window's
+            rows.
     """
-    assert win.window is not None
-    win.window.begin(len(micro))
-    if not micro:  # an empty batch runs nothing; the boundary still joins
-        return
-    if fast is not None and not (traceable and torch.compiler.is_compiling()):
-        _fast(call, fast, args, kwargs, micro, win, aux_acc, batch_argnum, argnum, reduction, count)
-        return
-    window = win.window
-    given = args[argnum] if argnum is not None else None
-    hint = window.hint if window.layout.wide and reduction == "mean" else None  # as in _fast
-    summed = reduction == "mean" and getattr(micro_transform, "sums_rows", False) is True
-    for j, (mb, rows) in enumerate(micro):
-        cur = _with_params(args, argnum, window.params(j, given), given)
-        try:
-            out = step_fn(*cur[:batch_argnum], mb, *cur[batch_argnum + 1 :], **kwargs)
-        except RuntimeError as err:  # torch.func over torch.utils.checkpoint: say the fix
-            clear = explain_checkpoint(call, err)
-            if clear is None:
-                raise
-            raise clear from err
-        grads, aux = _unpack(call, out) if has_aux else (out, None)
-        if summed:
-            _check_samples(call, micro_transform, grads, rows)
-        if micro_transform is not None:
-            grads = micro_transform(grads)
-        raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
-        if summed:  # a sum over the rows already: the boundary divides by the total rows
-            alpha = 1
-        what = call if micro_transform is None else f"{call} after micro_transform"
-        window.add(check_grads(what, window.layout, grads), alpha / hint if hint else alpha)
-        window.step()
-        _count(win, weight)
-        if aux_acc is not None:
-            aux_acc.add(aux, rows, items, raw)
-        # Drop this micro-batch's outputs (and any graph they hold) before the next.
-        del out, mb, grads, aux, raw, cur
+
+    step_fn: Callable[..., Any]
+    fast: GradFn | None
+    traceable: bool
+    sync: Sync
+    n: int
+    batch_argnum: int
+    argnum: int | None
+    reduction: _reduce.Reduction
+    count: Callable[[Any], Any] | None
+    has_aux: bool
+    aux_reduction: Any
+    micro_transform: Callable[[Any], Any] | None
+    summed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        sums_rows = getattr(self.micro_transform, "sums_rows", False) is True
+        object.__setattr__(self, "summed", self.reduction == "mean" and sums_rows)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # hooks, .grad writes: eager
-def _fast(
-    call: str,
-    fn: GradFn,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    micro: list[tuple[Any, int]],
-    win: Progress,
-    aux_acc: _reduce.AuxAccumulator | None,
-    batch_argnum: int,
-    argnum: int | None,
-    reduction: _reduce.Reduction,
-    count: Callable[[Any], Any] | None,
-) -> None:
-    """The window of a torch.autograd step function: backward straight into the window.
+class WindowRun:
+    """One call of an accumulated function: its window, from ``open`` to ``finish`` (or ``abort``).
 
-    A native leaf (its own dtype accumulates, the window keeps its sum) has the adopted first
-    gradient as ``.grad``, into which the later backwards add in place; any other goes through
-    ``window.grad`` (a hook).
+    Use: ``run = WindowRun(...)``; ``run.open(layout)``; ``run.run(micro_batches)``;
+    ``grads = run.finish()``; on any error in between, ``run.abort(layout)`` and re-raise.
+
+    The scale policy: each micro-batch's gradient is weighted by ``alpha`` (its rows under
+    ``mean``, else 1) divided by ``divisor`` when that is set: the window's ``hint`` (under a
+    sync, the ranks' agreed guess of the global total, which its ``finish`` corrects) or, for a
+    ``prescale`` window on the fast path, this call's total rows, so that the sums are the mean
+    already (the weight the boundary divides by is then 1). Only under ``mean`` with float32/64
+    sums: a float16/bfloat16 sum would round otherwise than a sync.
+
+    Attributes:
+        window: The sync's window, once opened.
+        opening: ``Sync.open`` was called (if it raised, ``abort`` does not call it again).
+        weight: The weight counted so far: rows (``mean``, ``sum``) or counts (``count``).
+        micro_steps: The micro-batches counted so far.
+        aux: The aux accumulator (``has_aux``), else None.
+        divisor: The scale policy's divisor (0: none).
+        native: Per leaf, on the fast path: autograd accumulates its gradient in place into the
+            window's running sum (its ``.grad``); else a hook hands it to ``Window.grad``.
+        alpha: The scale that the ``Window.grad`` hooks apply to the running backward.
+        seeds: The backward seeds by ``(scale, dtype, device)``, made once per call.
+        leaves: The autograd leaves aliasing the params of the running micro-batch.
     """
-    window = win.window
-    assert window is not None
-    lay = window.layout
-    given = args[argnum] if argnum is not None else None
-    direct = lay.accum_dtypes == lay.dtypes
-    native = [direct and not window.streams(i) for i in range(len(lay.shapes))]
-    window.prepare(zero=not all(native))
-    # Storage allocated up front: each first gradient is moved into it as autograd produces it
-    # (a hook), so that it is freed at once. Without, the first gradients are the sums as they are.
-    moving = window.sums is not None
-    alpha_now: list[float] = [1]
-    hooks: list[Any] = []
-    first: list[Any] = []  # the hooks that hand the first gradients to the window
-    adopted: set[int] = set()
-    seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
-    leaves: list[torch.Tensor] = []
-    new_args: list[Any] = []
 
-    def on_grad(i: int, leaf: torch.Tensor) -> None:
-        window.grad(i, leaf.grad, alpha_now[0])  # type: ignore[arg-type]
-        leaf.grad = None
+    def __init__(
+        self,
+        call: str,
+        opts: RunOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        index: int,
+    ) -> None:
+        self.call, self.opts, self.args, self.kwargs = call, opts, args, kwargs
+        self.target, self.index = target, index
+        self.window: Window | None = None
+        self.opening = False
+        self.weight: _reduce.Weight = 0
+        self.micro_steps = 0
+        self.aux = (
+            _reduce.AuxAccumulator(call, opts.aux_reduction, opts.reduction)
+            if opts.has_aux
+            else None
+        )
+        self.divisor: float = 0
+        # The fast path's backward state, shared with its hooks.
+        self.native: list[bool] = []
+        self.alpha: float = 1
+        self.seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+        self.leaves: list[torch.Tensor] = []
+        self.adopted: set[int] = set()
+        self.hooks: list[Any] = []  # the hooks removed when the leaves are re-aliased
+        self.first: dict[int, Any] = {}  # the hooks that hand the first gradients to the window
+        self.reporting = False  # the last backward runs, with overlap: report ready leaves
 
-    def on_first(i: int, leaf: torch.Tensor) -> None:
-        leaf.grad = window.adopt(i, leaf.grad)
-        adopted.add(i)
+    # -- the window's life -----------------------------------------------------------------------
 
-    def on_ready(i: int, _leaf: torch.Tensor) -> None:
-        window.ready(i)
-
-    def on_first_ready(i: int, leaf: torch.Tensor) -> None:  # a window of one micro-batch
-        on_first(i, leaf)
-        window.ready(i)
-
-    def hook(fn: Callable[..., None], i: int, leaf: torch.Tensor) -> Any:
-        return leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            functools.partial(fn, i)
+    def spec(self, lay: Layout) -> WindowSpec:
+        """The spec of this call's window for gradients of ``lay``."""
+        opts = self.opts
+        return WindowSpec(
+            where=self.call,
+            layout=lay,
+            reduction=opts.reduction,
+            n=opts.n,
+            state=opts.sync.state,
+            params=self.target,
+            fast=opts.fast is not None,  # the same on every rank: ready() order can be agreed on
+            index=self.index,
         )
 
-    # Window.prescale (one process, mean): seed each backward with rows / total rows, so the sums
-    # are the mean already. Not in float16/bfloat16, which would round otherwise than a sync.
-    prescale: float = 0
-    if window.prescale and lay.wide and reduction == "mean":
-        prescale = sum(r for _, r in micro)
-    hint = window.hint if lay.wide and reduction == "mean" else None
-    if hint:  # Window.hint (a sync, mean): the ranks' agreed guess of the global total
-        prescale = hint
-    last, params = len(micro) - 1, None
-    # One micro-batch with overlap: one hook per leaf both moves its gradient and reports it.
-    both = last == 0 and moving and window.overlap
-    try:
+    def open(self, lay: Layout) -> None:
+        """Open the sync's window for gradients of ``lay``."""
+        self.opening = True
+        self.window = self.opts.sync.open(self.spec(lay))
+
+    def run(self, micro: list[tuple[Any, int]]) -> None:
+        """Run the micro-batches ``(batch, rows)`` of the call into the open window."""
+        window, opts = self.window, self.opts
+        assert window is not None
+        window.begin(len(micro))
+        if not micro:  # an empty batch runs nothing; the boundary still joins
+            return
+        mean_wide = opts.reduction == "mean" and window.layout.wide
+        fast = opts.fast is not None and not (opts.traceable and torch.compiler.is_compiling())
+        if mean_wide and window.hint:
+            self.divisor = window.hint
+        elif mean_wide and window.prescale and fast:
+            self.divisor = sum([rows for _, rows in micro])
+        if fast:
+            self._fast(micro)
+        else:
+            self._generic(micro)
+
+    def finish(self) -> Any:
+        """The boundary: the one place that communicates (with ``sync=``); the call's result."""
+        window = self.window
+        assert window is not None
+        grads = window.finish(self.weight)
+        self.opts.sync.load_state(window.state)
+        if self.aux is None:
+            return grads
+        return grads, (self.aux.result() if self.micro_steps else None)
+
+    def abort(self, lay: Layout | None) -> None:
+        """Join the window's boundary flagged as failed: the other ranks raise instead of waiting.
+
+        Without an open window, one is opened for ``lay`` (``None``: nothing to join). Errors
+        while joining are dropped: the caller re-raises its own.
+        """
+        with contextlib.suppress(Exception):
+            window = self.window
+            if window is None and lay is not None and not self.opening:
+                window = self.opts.sync.open(self.spec(lay))
+            if window is not None:
+                window.abort(self.weight)
+
+    def _count(self, weight: _reduce.Weight, aux: Any, rows: int, items: Any, raw: Any) -> None:
+        """Count one micro-batch: its weight, and its aux."""
+        self.weight += weight
+        self.micro_steps += 1
+        if self.aux is not None:
+            self.aux.add(aux, rows, items, raw)
+
+    # -- the generic path ------------------------------------------------------------------------
+
+    def _generic(self, micro: list[tuple[Any, int]]) -> None:
+        """Any step function: each micro-batch's gradient tree is checked and added."""
+        window, opts, call = self.window, self.opts, self.call
+        assert window is not None
+        argnum, batch_argnum, transform = opts.argnum, opts.batch_argnum, opts.micro_transform
+        given = self.args[argnum] if argnum is not None else None
+        what = call if transform is None else f"{call} after micro_transform"
         for j, (mb, rows) in enumerate(micro):
-            p = window.params(j, given)
-            if j == 0 or p is not params:  # (re-)alias the params as autograd leaves
-                for h in hooks:
-                    h.remove()
-                hooks.clear()
-                for leaf in leaves:
-                    leaf.grad = None
-                params = p
-                new_args, leaves, _ = fn.alias(call, _with_params(args, argnum, p, given))
-                hooks.extend(hook(on_grad, i, x) for i, x in enumerate(leaves) if not native[i])
-                if j == 0:
-                    if moving:
-                        on = on_first_ready if both else on_first
-                        first.extend(hook(on, i, x) for i, x in enumerate(leaves) if native[i])
-                else:  # the running sums carry over to the new leaves
-                    assert window.sums is not None
-                    for i, leaf in enumerate(leaves):
-                        if native[i]:
-                            leaf.grad = window.sums[i]
-            new_args[batch_argnum] = mb
-            value, aux = fn.forward(call, new_args, kwargs)
-            raw, items, alpha, weight = weigh(call, reduction, count, rows, aux)
-            scale: float = alpha / prescale if prescale else alpha
-            if j == last:
-                # Counted before the backward, so that nothing that can fail runs after it: a
-                # sync may send the weight (and "no failure") during it (Window.seal).
-                _count(win, weight)
-                if aux_acc is not None:
-                    aux_acc.add(aux, rows, items, raw)
-                window.last()  # a sync may open its boundary before the last backward
-                assert win.state is not None
-                window.seal(win.state.weight)
-                if window.overlap:
-                    hooks.extend(
-                        hook(on_ready, i, x)
-                        for i, x in enumerate(leaves)
-                        if not (both and native[i])
-                    )
-            if leaves and value.requires_grad:
-                seed = None
-                if direct:
-                    key = (scale, value.dtype, value.device)
-                    if key not in seeds:
-                        seeds[key] = torch.full((), scale, dtype=value.dtype, device=value.device)
-                    seed = seeds[key]
-                else:
-                    alpha_now[0] = scale
-                with CheckpointGuard(call, leaves, (new_args, kwargs)):
-                    torch.autograd.backward(value, seed, inputs=leaves)
-            if j == 0:
-                for h in first:
-                    h.remove()
-                first.clear()
-                for i, leaf in enumerate(leaves):
-                    if native[i] and i not in adopted:  # not moved by a hook, or no gradient
-                        leaf.grad = window.adopt(i, leaf.grad)
+            cur = _with_params(self.args, argnum, window.params(j, given), given)
+            try:
+                out = opts.step_fn(*cur[:batch_argnum], mb, *cur[batch_argnum + 1 :], **self.kwargs)
+            except RuntimeError as err:  # torch.func over torch.utils.checkpoint: say the fix
+                clear = explain_checkpoint(call, err)
+                if clear is None:
+                    raise
+                raise clear from err
+            grads, aux = _unpack(call, out) if opts.has_aux else (out, None)
+            if opts.summed:
+                _check_samples(call, transform, grads, rows)
+            if transform is not None:
+                grads = transform(grads)
+            raw, items, alpha, weight = weigh(call, opts.reduction, opts.count, rows, aux)
+            if opts.summed:  # a sum over the rows already: the boundary divides by the total rows
+                alpha = 1
+            scale = alpha / self.divisor if self.divisor else alpha
+            window.add(check_grads(what, window.layout, grads), scale)
             window.step()
-            if j != last:
-                _count(win, weight)
-                if aux_acc is not None:
-                    aux_acc.add(aux, rows, items, raw)
-            del value, aux, raw, mb
-        if prescale and not hint:  # the sums are the mean already
-            assert win.state is not None
-            win.state = win.state._replace(weight=1)
-    finally:
-        for h in hooks + first:
+            self._count(weight, aux, rows, items, raw)
+            # Drop this micro-batch's outputs (and any graph they hold) before the next.
+            del out, mb, grads, aux, raw, cur
+
+    # -- the fast path ---------------------------------------------------------------------------
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # hooks, .grad writes: eager
+    def _fast(self, micro: list[tuple[Any, int]]) -> None:
+        """A torch.autograd step function: backward straight into the window.
+
+        A native leaf has the adopted first gradient as ``.grad``, into which the later
+        backwards add in place; any other goes through ``Window.grad`` (a hook). When the
+        window allocates its storage up front, each first gradient is moved into it by a hook as
+        autograd produces it, so that it is freed at once; otherwise the first gradients are
+        adopted as the sums after the first backward. With ``overlap``, a hook reports each leaf
+        ready during the last backward.
+        """
+        window, opts, call = self.window, self.opts, self.call
+        assert window is not None
+        assert opts.fast is not None
+        fn, lay, batch_argnum = opts.fast, window.layout, opts.batch_argnum
+        same = lay.same_dtypes
+        self.native = native = [same and not window.streams(i) for i in range(len(lay.shapes))]
+        window.prepare(zero=not all(native))
+        argnum = opts.argnum
+        given = self.args[argnum] if argnum is not None else None
+        guard = CheckpointGuard(call)
+        last, params = len(micro) - 1, None
+        new_args: list[Any] = []
+        try:
+            for j, (mb, rows) in enumerate(micro):
+                p = window.params(j, given)
+                if j == 0 or p is not params:  # (re-)alias the params as autograd leaves
+                    params = p
+                    new_args = self._alias(j, _with_params(self.args, argnum, p, given))
+                new_args[batch_argnum] = mb
+                value, aux = fn.forward(call, new_args, self.kwargs)
+                raw, items, alpha, weight = weigh(call, opts.reduction, opts.count, rows, aux)
+                scale: float = alpha / self.divisor if self.divisor else alpha
+                if j == last:
+                    # Counted before the backward, so that nothing that can fail runs after it:
+                    # a sync may send the weight (and "no failure") during it (Window.seal).
+                    self._count(weight, aux, rows, items, raw)
+                    window.last()  # a sync may open its boundary before the last backward
+                    window.seal(self.weight)
+                    if window.overlap:
+                        self._report_ready()
+                if self.leaves and value.requires_grad:
+                    self._backward(guard, value, scale, new_args)
+                if j == 0:
+                    self._adopt_first()
+                window.step()
+                if j != last:
+                    self._count(weight, aux, rows, items, raw)
+                del value, aux, raw, mb
+            if self.divisor and not window.hint:  # prescale: the sums are the mean already
+                self.weight = 1
+        finally:
+            for h in self.hooks:
+                h.remove()
+            for h in self.first.values():
+                h.remove()
+            for leaf in self.leaves:
+                leaf.grad = None
+
+    def _backward(
+        self, guard: CheckpointGuard, value: torch.Tensor, scale: float, args: list[Any]
+    ) -> None:
+        """Backward of ``value`` into the leaves, its gradient scaled by ``scale``.
+
+        When every leaf accumulates in its own dtype, the seed carries the scale (no rounding
+        other than the sums'); otherwise the ``Window.grad`` hooks apply it.
+        """
+        seed = None
+        if self.window.layout.same_dtypes:  # type: ignore[union-attr]
+            key = (scale, value.dtype, value.device)
+            seed = self.seeds.get(key)
+            if seed is None:
+                seed = torch.full((), scale, dtype=value.dtype, device=value.device)
+                self.seeds[key] = seed
+        else:
+            self.alpha = scale
+        guard.backward(value, seed, self.leaves, (args, self.kwargs))
+
+    def _alias(self, j: int, args: list[Any]) -> list[Any]:
+        """Fresh autograd leaves for micro-step ``j``'s params; the args that hold them."""
+        window, native = self.window, self.native
+        assert window is not None
+        for h in self.hooks:
             h.remove()
-        for leaf in leaves:
+        self.hooks.clear()
+        for leaf in self.leaves:
             leaf.grad = None
+        assert self.opts.fast is not None
+        new_args, leaves, _ = self.opts.fast.alias(self.call, args)
+        self.leaves = leaves
+        self.hooks.extend(
+            _hook(leaf, self._on_grad, i) for i, leaf in enumerate(leaves) if not native[i]
+        )
+        if j == 0:
+            if window.sums is not None:  # storage up front: move each first gradient into it
+                for i, leaf in enumerate(leaves):
+                    if native[i]:
+                        self.first[i] = _hook(leaf, self._on_first, i)
+        else:  # the running sums carry over to the new leaves
+            sums = window.sums
+            assert sums is not None
+            for i, leaf in enumerate(leaves):
+                if native[i]:
+                    leaf.grad = sums[i]
+        return new_args
+
+    def _report_ready(self) -> None:
+        """The coming backward is the last: report each leaf's running sum final (overlap).
+
+        A leaf whose first-gradient hook is still in place (a window of one micro-batch) has it
+        report, after moving the gradient.
+        """
+        first = self.first
+        self.reporting = True
+        self.hooks.extend(
+            _hook(leaf, self._on_ready, i) for i, leaf in enumerate(self.leaves) if i not in first
+        )
+
+    def _adopt_first(self) -> None:
+        """After the first backward: the native leaves' gradients become the running sums."""
+        window = self.window
+        assert window is not None
+        for h in self.first.values():
+            h.remove()
+        self.first.clear()
+        native, adopted = self.native, self.adopted
+        for i, leaf in enumerate(self.leaves):
+            if native[i] and i not in adopted:  # not moved by a hook, or no gradient
+                leaf.grad = window.adopt(i, leaf.grad)
+
+    # The backward hooks (post-accumulate-grad hooks on the leaves).
+
+    def _on_grad(self, i: int, leaf: torch.Tensor) -> None:
+        """A leaf that is not native: hand its gradient to the window, scaled."""
+        self.window.grad(i, leaf.grad, self.alpha)  # type: ignore[union-attr, arg-type]
+        leaf.grad = None
+
+    def _on_first(self, i: int, leaf: torch.Tensor) -> None:
+        """A native leaf's first gradient: move it into the window's storage."""
+        window = self.window
+        assert window is not None
+        leaf.grad = window.adopt(i, leaf.grad)
+        self.adopted.add(i)
+        if self.reporting:  # a window of one micro-batch: its last backward is this one
+            window.ready(i)
+
+    def _on_ready(self, i: int, _leaf: torch.Tensor) -> None:
+        """During the last backward: leaf ``i``'s running sum is final."""
+        self.window.ready(i)  # type: ignore[union-attr]
 
 
-def abort(win: Progress, sync: Sync, spec: WindowSpec | None) -> None:
-    """Join the window's boundary flagged as failed, so the other ranks raise instead of waiting.
-
-    Without an open window, one is opened for ``spec`` (``None``: nothing to join). Errors while
-    joining are dropped: the caller re-raises its own.
-    """
-    with contextlib.suppress(Exception):
-        window = win.window
-        if window is None and spec is not None and not win.opening:
-            window = sync.open(spec)
-        if window is not None:
-            window.abort(win.state.weight if win.state is not None else 0)
-
-
-def _count(win: Progress, weight: _reduce.Weight) -> None:
-    state = win.state
-    assert state is not None
-    win.state = state._replace(weight=state.weight + weight, micro_step=state.micro_step + 1)
+def _hook(leaf: torch.Tensor, method: Callable[[int, torch.Tensor], None], i: int) -> Any:
+    """Call ``method(i, leaf)`` after each gradient is accumulated into ``leaf``."""
+    return leaf.register_post_accumulate_grad_hook(functools.partial(method, i))  # type: ignore[no-untyped-call]
 
 
 def _with_params(args: tuple[Any, ...], argnum: int | None, params: Any, given: Any) -> Any:
