@@ -218,6 +218,7 @@ def test_gpt2_on_two_ranks_matches_the_whole_batch() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
 def test_hf_gpt2_example(ranks: int) -> None:
     _gpt2()

@@ -439,6 +439,7 @@ def _want(w: int) -> tuple[float, dict[str, float]]:
     return total, sums
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_ranks_sum_the_metrics_of_every_micro_batch_in_the_same_collectives() -> None:
     results = values(run(_two_ranks, timeout=240))
