@@ -152,6 +152,7 @@ def _token_step(hf: Any, model: torch.nn.Module, n: int, sync: Any = None) -> An
     return step, params, seen
 
 
+@pytest.mark.slow  # 4 s; test_gpt2_with_the_accumulator stays in the fast tier
 def test_gpt2_batch_encoding_matches_the_whole_batch() -> None:
     hf = _gpt2()
     from transformers import BatchEncoding
@@ -248,6 +249,7 @@ def test_hf_gpt2_example(ranks: int) -> None:
             assert line in page, line
 
 
+@pytest.mark.slow  # 4 s; test_docs.py runs the page's code in the fast tier too
 def test_the_page_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _gpt2()
     monkeypatch.chdir(tmp_path)
