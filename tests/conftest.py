@@ -104,7 +104,8 @@ def _watch(item: pytest.Item, phase: str) -> Generator[None, object, object]:
         result = yield
     finally:
         _watched.pop()
-    started, _started[:] = list(_started), []
+    started = list(_started)
+    _started.clear()
     if started and item.get_closest_marker("distributed") is None:
         pytest.fail(
             f"{item.nodeid} started a Python process in its {phase} but is not marked distributed: "
