@@ -21,8 +21,8 @@ import argparse
 import cProfile
 import os
 import pstats
-import socket
 
+import _launch
 import torch
 import torch.distributed as dist
 
@@ -61,12 +61,6 @@ def calls_per_step(n: int, steps: int, sync: object) -> float:
     return pstats.Stats(prof).total_calls / steps  # type: ignore[attr-defined]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -78,7 +72,7 @@ def main() -> None:
     print(f"Python calls per step (cProfile, {args.steps} steps, one process)")
     print(f"{'n':>4}  {'sync=None':>10}  {'all_reduce()':>12}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(_launch.free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         for n in args.ns:

@@ -52,21 +52,18 @@ import json
 import math
 import os
 import platform
-import queue
-import socket
 import sys
 import tempfile
 import time
-import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _figures
+import _launch
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.func import functional_call
 
@@ -202,66 +199,9 @@ def train_all(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the two processes
 
 
-def _worker(rank: int, world: int, port: int, job: dict[str, Any], results: Any) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=job["pg_timeout"]),
-    )
-    try:
-        result: tuple[Any, ...] = ("ok", train_all(rank, world, job))
-    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
-        result = ("err", f"{type(err).__name__}: {err}", traceback.format_exc())
-    results.put((rank, result))
-    results.close()
-    results.join_thread()  # flushed before teardown, which gloo rarely aborts at interpreter exit
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(job: dict[str, Any], world: int, timeout: float) -> list[Any]:
     """Run ``train_all`` on ``world`` fresh processes; return each rank's result (or raise)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, job, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[Any, ...]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < world and time.monotonic() < deadline:
-            try:
-                rank, result = results.get(timeout=0.5)
-                got[rank] = result
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for r in range(world):
-        if r not in got:
-            raise RuntimeError(f"rank {r} did not report (hung, died or timed out)")
-        if got[r][0] != "ok":
-            raise RuntimeError(f"rank {r} raised {got[r][1]}\n{got[r][2]}")
-    return [got[r][1] for r in range(world)]
+    return _launch.launch(train_all, job, world, timeout, what="compression", start_method="spawn")
 
 
 # ---------------------------------------------------------------------------------- the parent

@@ -62,7 +62,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _launch
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -466,12 +466,6 @@ def compare_step(
 # -- the launcher ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _child(rank: int, world: int, port: int, name: str, tmp: str, out: Any, release: Any) -> None:
     fd = os.open(os.path.join(tmp, f"stderr-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)
@@ -578,7 +572,7 @@ def launch(p: Probe) -> Result:
     ctx = _context()
     tmp = tempfile.mkdtemp(prefix=f"probe-{p.name}-")
     out, release = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = _launch.free_port()
     procs = [
         ctx.Process(target=_child, args=(r, p.world, port, p.name, tmp, out, release))
         for r in range(p.world)
@@ -2093,7 +2087,7 @@ dist.destroy_process_group()
 
 
 def _exit_run(script: str) -> list[tuple[int | None, str, str]]:
-    port = _free_port()
+    port = _launch.free_port()
     procs = []
     for r in range(2):
         env = {

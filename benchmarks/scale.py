@@ -65,7 +65,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import suite
+import _launch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     job = {**vars(args), "strategies": names, "pg_timeout": 120}
-    ranks = suite.launch(job, WORLD, 100 if q else 300, fn=_job, what="scale")
+    ranks = _launch.launch(_job, job, WORLD, 100 if q else 300, what="scale")
 
     where = {r["gradaccum"] for r in ranks}
     if where != {gradaccum.__file__}:

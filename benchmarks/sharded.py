@@ -67,18 +67,17 @@ import gc
 import json
 import os
 import platform
-import queue
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _bench_models as bm
+import _launch
 import suite
 import torch
 import torch.distributed as dist
@@ -310,7 +309,7 @@ class Run:
 # ----------------------------------------------------------------------------- job on a rank
 
 
-def _job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
+def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     spec, n, steps = _spec(job), job["n"], job["steps"]
     live = suite._heap_bytes()
     if live is None:
@@ -374,61 +373,9 @@ def _job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, port: int, job: dict[str, Any], out: Any) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=job["pg_timeout"]),
-    )
-    try:
-        result: tuple[Any, ...] = ("ok", _job(rank, job))
-    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
-        result = ("err", f"{type(err).__name__}: {err}", traceback.format_exc())
-    out.put((rank, result))
-    out.close()
-    out.join_thread()
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
 def launch(job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Run ``job`` on two fresh processes; return each rank's result (raise on failure)."""
-    ctx = mp.get_context("forkserver")
-    out = ctx.Queue()
-    port = suite._free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, job, out), daemon=True) for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[Any, ...]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, result = out.get(timeout=0.5)
-                results[rank] = result
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    what = f"{job['strategy']} n={job['n']}"
-    for r in range(WORLD):
-        if r not in results:
-            raise RuntimeError(f"{what}: rank {r} did not report (hung, died or timed out)")
-        if results[r][0] != "ok":
-            raise RuntimeError(f"{what}: rank {r} raised {results[r][1]}\n{results[r][2]}")
-    return [results[r][1] for r in range(WORLD)]
+    return _launch.launch(_job, job, WORLD, timeout, what=f"{job['strategy']} n={job['n']}")
 
 
 # ------------------------------------------------------------------------------ the parent

@@ -92,13 +92,10 @@ import gc
 import json
 import os
 import platform
-import queue
 import resource
-import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +103,7 @@ from typing import Any
 
 import _bench_models as bm
 import _figures
+import _launch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -426,93 +424,10 @@ def _memory_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
 JOBS = {"time": _time_job, "memory": _memory_job}
 
 
-def _worker(
-    rank: int, world: int, port: int, job: dict[str, Any], out: Any, fn: Callable[..., Any]
-) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["OMP_NUM_THREADS"] = "1"  # else Accelerate sets its own thread count
-    torch.set_num_threads(1)
-    if world > 1:
-        # What Accelerate reads; it finds the process group below already initialised.
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=job["pg_timeout"]),
-        )
-    try:
-        result: tuple[Any, ...] = ("ok", fn(rank, world, job))
-    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
-        result = ("err", f"{type(err).__name__}: {err}", traceback.format_exc())
-    out.put((rank, result))
-    out.close()
-    out.join_thread()  # flushed before teardown, which gloo rarely aborts at interpreter exit
-    if world > 1:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(
-    job: dict[str, Any],
-    world: int,
-    timeout: float,
-    fn: Callable[[int, int, dict[str, Any]], Any] | None = None,
-    what: str | None = None,
-) -> list[Any]:
-    """Run ``job`` on ``world`` fresh processes; return each rank's value (raise on failure).
-
-    ``fn(rank, world, job)`` runs on each rank (a module-level function; default: the suite's
-    job of ``job["kind"]``), in a gloo group on 127.0.0.1 when ``world > 1``.
-    """
-    ctx = mp.get_context("forkserver")
-    out = ctx.Queue()
-    port = _free_port()
-    fn = fn if fn is not None else JOBS[job["kind"]]
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, job, out, fn), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[Any, ...]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, result = out.get(timeout=0.5)
-                results[rank] = result
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if what is None:
-        what = f"{job['kind']} job {job.get('model')} {job.get('strategy', '')} {job.get('n', '')}"
-    for r in range(world):
-        if r not in results:
-            raise RuntimeError(f"{what}: rank {r} did not report (hung, died or timed out)")
-        if results[r][0] != "ok":
-            raise RuntimeError(f"{what}: rank {r} raised {results[r][1]}\n{results[r][2]}")
-    return [results[r][1] for r in range(world)]
+def launch(job: dict[str, Any], world: int, timeout: float) -> list[Any]:
+    """The suite's job of ``job["kind"]`` on ``world`` fresh processes (``_launch.launch``)."""
+    what = f"{job['kind']} job {job.get('model')} {job.get('strategy', '')} {job.get('n', '')}"
+    return _launch.launch(JOBS[job["kind"]], job, world, timeout, what=what)
 
 
 # ------------------------------------------------------------------------------ the parent

@@ -268,6 +268,7 @@ def test_compiled_step_matches_eager() -> None:
     assert max_diff(got, ref) < TIGHT
 
 
+@pytest.mark.slow  # compiles (6 s); test_compiled_step_matches_eager stays in the fast tier
 def test_compiling_the_accumulated_function_matches_eager_without_graph_breaks() -> None:
     params, batch = mlp_params(), regression_batch(24)
     ref = gradaccum.accumulate(grad(mean_loss), 4)(params, batch)
@@ -279,6 +280,7 @@ def test_compiling_the_accumulated_function_matches_eager_without_graph_breaks()
     assert max_diff(got, ref) < TIGHT
 
 
+@pytest.mark.slow  # three compiles (12 s)
 def test_compiled_accumulated_function_survives_dynamic_then_uneven_batches() -> None:
     params = mlp_params()
     torch._dynamo.reset()

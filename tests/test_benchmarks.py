@@ -79,6 +79,7 @@ def test_suite_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_suite_rounds_keep_every_rounds_paired_ratio(tmp_path: Path) -> None:
     # One process only (fast): each round is a fresh process; the summary is over all rounds.
@@ -169,6 +170,7 @@ def test_sharded_quick(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_ab_overhead_runs_two_copies_side_by_side() -> None:
     package = Path(__file__).resolve().parent.parent / "gradaccum"
@@ -251,6 +253,7 @@ def test_compression_quick_writes_a_figure_stamped_with_its_data(tmp_path: Path)
     assert meta["Source-SHA256"] == digest
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_window_budget_quick_prints_every_part_and_their_sum() -> None:
     proc = subprocess.run(

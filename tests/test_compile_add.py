@@ -10,7 +10,12 @@ def _loss(params, batch):
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])
-@pytest.mark.parametrize("grad", [torch.func.grad, gradaccum.grad], ids=["func", "gradaccum"])
+@pytest.mark.parametrize(
+    "grad",
+    # A compile costs seconds: torch.func.grad's twins run in the slow tier.
+    [pytest.param(torch.func.grad, marks=pytest.mark.slow), gradaccum.grad],
+    ids=["func", "gradaccum"],
+)
 def test_compiled_micro_step_calls_add(grad, fullgraph) -> None:
     # The micro-step users compile: gradient and add in one function; finalize outside.
     torch.manual_seed(0)

@@ -157,7 +157,14 @@ def test_home_page_example_matches_the_readme():
     assert readme[0] in fenced((DOCS / "index.md").read_text(), "python")
 
 
-@pytest.mark.parametrize("name", pages_with("run"))
+# concepts.md compiles its step (7 s): it runs in the slow tier; the other pages in the fast one.
+SLOW_PAGES = {"concepts.md"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PAGES else n for n in pages_with("run")],
+)
 def test_page_code_runs(name, tmp_path, monkeypatch):
     page = DOCS / name
     monkeypatch.chdir(tmp_path)  # snippets may write files (checkpoints)

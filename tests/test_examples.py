@@ -9,7 +9,7 @@ from png import check as png_check
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test runs a script
 
 
 def run_example(name: str, *args: str) -> str:

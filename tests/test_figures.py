@@ -57,6 +57,7 @@ def test_figure_is_drawn_from_the_data_beside_it(name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", CASES)
 def test_figure_redraws_from_its_data(name: str, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the figures need the [plot] extra")
@@ -76,6 +77,7 @@ def test_figure_redraws_from_its_data(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(EXAMPLE_FIGURES))
 def test_example_figure_is_what_the_example_draws_today(name: str, tmp_path: Path) -> None:
     # The curves are hashed (rounded to 10 digits) in the PNG: the example run here must draw

@@ -20,7 +20,7 @@ from models import (
     token_mean_loss,
     token_sum_loss,
 )
-from test_errors import raises
+from test_misuse import raises
 from torch.func import functional_call
 
 import gradaccum

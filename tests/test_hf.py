@@ -152,6 +152,7 @@ def _token_step(hf: Any, model: torch.nn.Module, n: int, sync: Any = None) -> An
     return step, params, seen
 
 
+@pytest.mark.slow  # 4 s; test_gpt2_with_the_accumulator stays in the fast tier
 def test_gpt2_batch_encoding_matches_the_whole_batch() -> None:
     hf = _gpt2()
     from transformers import BatchEncoding
@@ -218,6 +219,7 @@ def test_gpt2_on_two_ranks_matches_the_whole_batch() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
 def test_hf_gpt2_example(ranks: int) -> None:
     _gpt2()
@@ -247,6 +249,7 @@ def test_hf_gpt2_example(ranks: int) -> None:
             assert line in page, line
 
 
+@pytest.mark.slow  # 4 s; test_docs.py runs the page's code in the fast tier too
 def test_the_page_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _gpt2()
     monkeypatch.chdir(tmp_path)

@@ -24,6 +24,7 @@ def _lightning() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
 def test_lightning_recipe(ranks: int) -> None:
     _lightning()

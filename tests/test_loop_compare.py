@@ -186,6 +186,7 @@ CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize(("version", "nproc", "rows", "lengths", "windows"), CASES)
 def test_versions_are_exact(version, nproc, rows, lengths, windows, tmp_path) -> None:
     if version == "Accelerate":
@@ -250,6 +251,7 @@ def test_plot_draws_and_checks_the_curves(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("version", [pytest.param("gradaccum"), "DDP + no_sync"])
 def test_check_job_under_torchrun(version, tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
@@ -263,6 +265,7 @@ def test_check_job_under_torchrun(version, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("version", [pytest.param("gradaccum"), "DDP + no_sync", "Accelerate"])
 def test_versions_run_as_a_reader_runs_them(version, tmp_path) -> None:
     """``python FILE`` (one process) and ``torchrun ... FILE`` (two), each in a directory of

@@ -291,7 +291,14 @@ def test_every_cut_point_of_augmented_data_in_this_process() -> None:
     assert check(Config(dataset="augmented", stateful=True), 0, 1, "all") == []
 
 
-@pytest.mark.parametrize("cfg", PAIRWISE, ids=str)
+# DataLoader worker processes: their start and shutdown cost seconds (on a loaded machine 10 s
+# and more, a worker shut down when its loader is collected), so the configurations with workers
+# run in the slow tier; those without keep every other factor in the fast one.
+@pytest.mark.parametrize(
+    "cfg",
+    [pytest.param(c, marks=pytest.mark.slow) if c.workers else c for c in PAIRWISE],
+    ids=str,
+)
 def test_pairwise(cfg: Config) -> None:
     assert check(cfg, 0, 1, SOME_CUTS) == []
 

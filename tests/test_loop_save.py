@@ -144,6 +144,8 @@ CUTS = [
     ("after apply", 4, 0),  # between epochs
     ("add", 6, 2),
 ]
+# Each cut trains twice (2 s): one of each kind runs in the fast tier, the others in the slow one.
+FAST_CUTS = [("add", 3, 1), ("before apply", 1, 4), ("after apply", 4, 0)]
 
 
 @functools.lru_cache
@@ -154,7 +156,11 @@ def whole(sync: bool = False) -> dict[str, Any]:
     return got
 
 
-@pytest.mark.parametrize("cut", CUTS, ids=[f"{k}-{w}-{m}".replace(" ", "_") for k, w, m in CUTS])
+@pytest.mark.parametrize(
+    "cut",
+    [c if c in FAST_CUTS else pytest.param(c, marks=pytest.mark.slow) for c in CUTS],
+    ids=[f"{k}-{w}-{m}".replace(" ", "_") for k, w, m in CUTS],
+)
 def test_resume_is_bit_identical(tmp_path, cut) -> None:
     torch.manual_seed(0)
     assert train(tmp_path, cut=cut) is None

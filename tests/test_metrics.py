@@ -104,6 +104,7 @@ def test_any_sequence_of_metrics_sums_exactly_as_float64(
     assert stats.weight == len(values)
 
 
+@pytest.mark.slow  # compiles (7 s)
 def test_a_compiled_micro_step_sums_the_metrics_without_recompiling() -> None:
     # torch.compile drops in-place adds into 0-dim inputs: the running sums are new tensors.
     params, acc = mlp_params(), gradaccum.Accumulator(n=4, reduction="sum")
@@ -439,6 +440,7 @@ def _want(w: int) -> tuple[float, dict[str, float]]:
     return total, sums
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_ranks_sum_the_metrics_of_every_micro_batch_in_the_same_collectives() -> None:
     results = values(run(_two_ranks, timeout=240))

@@ -1,22 +1,28 @@
-"""A catalogue of misuse: every bad input gradaccum can meet in one process, in one table.
+"""The table of pinned error messages: every bad input gradaccum can meet in one process.
 
+This is the one table of the project's error messages (CONTRIBUTING.md, "Error messages").
 Each case builds fresh inputs, makes one bad call and says which exception it expects and which
-words (the argument's name, the key path...) the message must contain. One generic test runs them
-all and checks, for each:
+words (the argument's name, the key path...) the message must contain; ``MESSAGES`` pins the
+whole text of a case's message, character for character. One generic test runs them all and
+checks, for each:
 
 - the exception type;
 - the message starts with the call shape (``name(...)``), names the argument, and gives a fix
   (after the expectation: ``; pass ...``, ``. Use ...``, ``; step_fn must ...``; CONTRIBUTING.md);
+- the message is ``MESSAGES[case id]`` when the case has an entry there;
 - every tensor reachable from the inputs (params, grads, accumulator states, modules' parameters,
   ``.grad`` and buffers, optimizer state, state dicts, shards) is bit-identical afterwards, and
   the containers hold the same keys.
 
-The full text of the messages is pinned in test_errors.py (the loop's in tests/test_loop_*.py);
-this file is about coverage. Cases tagged ``item=N`` are the bad inputs of the reliability issue
-(item N of its list), ``item="loop"`` those of ``gradaccum.loop`` (issue 26: windows, Step,
-save and load, where "unchanged" covers the step's window, the data position and the files of a
-checkpoint directory); the others existed before them. Distributed paths run in a world of one
-process (gloo, a HashStore).
+A new error gets a case here, and its message an entry in ``MESSAGES``. (tests/test_errors.py,
+which pinned the messages of accumulate, Accumulator, MicroBatches and the module helpers a
+second time, is merged into this table. Messages that need more than one process, or a whole
+loop run, are pinned next to their behaviour: tests/test_loop_*.py, test_distributed.py...)
+Cases tagged ``item=N`` are the bad inputs of the reliability issue (item N of its list),
+``item="loop"`` those of ``gradaccum.loop`` (issue 26: windows, Step, save and load, where
+"unchanged" covers the step's window, the data position and the files of a checkpoint
+directory); the others existed before them. Distributed paths run in a world of one process
+(gloo, a HashStore).
 """
 
 from __future__ import annotations
@@ -86,6 +92,11 @@ def case(
 ) -> None:
     assert all(c.id != id for c in CASES), id
     CASES.append(Case(id, setup, call, exc, names, world, item, absent))
+
+
+def raises(exc: type[BaseException], message: str) -> contextlib.AbstractContextManager[Any]:
+    """``pytest.raises`` that matches the whole message, character for character."""
+    return pytest.raises(exc, match=rf"\A{re.escape(message)}\Z")
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -335,6 +346,31 @@ case(
     "reduction",
 )
 case(
+    "accumulate-count-with-sum",
+    dict,
+    lambda ns: gradaccum.accumulate(
+        aux_fn, 2, has_aux=True, reduction="sum", count=lambda aux: aux["tokens"]
+    ),
+    ValueError,
+    "count=",
+    "reduction",
+)
+case(
+    "accumulate-count-reduction-without-has_aux-or-count",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, reduction="count"),
+    ValueError,
+    "has_aux",
+    "count=",
+)
+case(
+    "accumulate-count-reduction-count-not-a-function",
+    dict,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, reduction="count", count=3),
+    ValueError,
+    "count=",
+)
+case(
     "accumulate-aux_reduction-without-has_aux",
     dict,
     lambda ns: gradaccum.accumulate(step_fn, 2, aux_reduction="sum"),
@@ -416,6 +452,22 @@ case(
     "argnums",
 )
 case(
+    "accumulate-batch_argnum-in-argnums-int",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, argnums=1),
+    ValueError,
+    "batch_argnum",
+    "argnums",
+)
+case(
+    "accumulate-batch_argnum-in-default-argnums",
+    dict,
+    lambda ns: gradaccum.accumulate(step_fn, 2, batch_argnum=0),
+    ValueError,
+    "batch_argnum",
+    "argnums",
+)
+case(
     "accumulate-grad-argnums-differ",
     dict,
     lambda ns: gradaccum.accumulate(
@@ -439,7 +491,9 @@ for _id, _batch in [
     ("dict-of-int", {"x": 3}),
     ("str", "abc"),
     ("empty-dict", {}),
+    ("empty-tuple", ()),
     ("None", None),
+    ("list-of-None", [None, None]),
 ]:
     case(
         f"accumulate-batch-without-tensor-{_id}",
@@ -498,6 +552,28 @@ case(
     TypeError,
     "params",
     "batch",
+)
+case(
+    "accumulate-no-argument",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2)(),
+    TypeError,
+    "params",
+    "batch",
+)
+case(
+    "accumulate-batch_argnum-2-without-argument-2",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2, batch_argnum=2)(ns["params"], ns["batch"]),
+    TypeError,
+    "position 2",
+)
+case(
+    "accumulate-argnums-0-2-without-argument-2",
+    pb,
+    lambda ns: gradaccum.accumulate(step_fn, 2, argnums=(0, 2))(ns["params"], ns["batch"]),
+    TypeError,
+    "[0, 2]",
 )
 case(
     "accumulate-batch-as-keyword",
@@ -592,6 +668,10 @@ BAD_GRADS: list[tuple[str, Any, Exc, str]] = [
     ("int64", {"w": torch.ones(3, dtype=torch.int64), "b": ONE}, TypeError, "gradient leaf ['w']"),
     ("complex", {"w": ONE3, "b": torch.ones((), dtype=torch.complex128)}, TypeError, "leaf ['b']"),
     ("None-leaf", {"w": None, "b": ONE}, TypeError, "gradient leaf ['w']"),
+    ("bare-tensor", ONE3, ValueError, "params tree"),
+    ("str-leaf", {"w": ONE3, "b": "g"}, TypeError, "gradient leaf ['b']"),
+    ("broadcastable-shape", {"w": torch.ones(1, 3, dtype=F64), "b": ONE}, ValueError, "leaf ['w']"),
+    ("bool", {"w": torch.ones(3, dtype=torch.bool), "b": ONE}, TypeError, "gradient leaf ['w']"),
 ]
 for _id, _out, _exc, _name in BAD_GRADS:
     case(
@@ -610,11 +690,91 @@ for _id, _out, _exc, _name in BAD_GRADS:
             _name,
         )
 
+
+def nested_params() -> dict[str, Any]:
+    return {
+        "layer": {"w": torch.zeros(3, dtype=F64), "b": torch.zeros(2, dtype=F64)},
+        "out": [torch.zeros(1, dtype=F64)],
+    }
+
+
+def nested(layer: Any = None, out: Any = None) -> dict[str, Any]:
+    """Gradients for nested_params(), with ``layer`` or ``out`` replaced."""
+    if layer is None:
+        layer = {"w": torch.ones(3, dtype=F64), "b": torch.ones(2, dtype=F64)}
+    return {"layer": layer, "out": [torch.ones(1, dtype=F64)] if out is None else out}
+
+
+def mid_nested() -> NS:
+    """An Accumulator over nested_params() and a state holding one micro-batch."""
+    acc, p = gradaccum.Accumulator(n=4), nested_params()
+    state = acc.add(acc.init(p), nested(), size=2)
+    return {"acc": acc, "state": state, "params": p}
+
+
+NESTED_GRADS: list[tuple[str, Any, Exc, str]] = [
+    ("missing-key", nested(layer={"w": ONE3}), ValueError, "at ['layer']"),
+    ("leaf-vs-dict", nested(layer=ONE3), ValueError, "at ['layer']"),
+    ("list-length", nested(out=[ONE, ONE]), ValueError, "at ['out']"),
+    ("tuple-vs-list", nested(out=(torch.ones(1, dtype=F64),)), ValueError, "at ['out']"),
+    (
+        "wrong-shape",
+        nested(layer={"w": ONE3, "b": torch.ones(3, dtype=F64)}),
+        ValueError,
+        "gradient leaf ['layer']['b']",
+    ),
+    (
+        "int32",
+        nested(layer={"w": ONE3, "b": torch.ones(2, dtype=torch.int32)}),
+        TypeError,
+        "gradient leaf ['layer']['b']",
+    ),
+]
+for _id, _out, _exc, _name in NESTED_GRADS:
+    case(
+        f"accumulate-grads-nested-{_id}",
+        lambda: {"params": nested_params(), "batch": (x(), y())},
+        lambda ns, out=_out: gradaccum.accumulate(returning(out), 2)(ns["params"], ns["batch"]),
+        _exc,
+        _name,
+    )
+    case(
+        f"Accumulator.add-grads-nested-{_id}",
+        mid_nested,
+        lambda ns, out=_out: ns["acc"].add(ns["state"], out, size=2),
+        _exc,
+        _name,
+    )
+
+
+def bad_tree_at_micro_batch(k: int) -> Callable[..., Any]:
+    """A step function named ``step_fn`` that returns ones, but a tree without ``b`` at
+    micro-batch ``k`` (counting from 1), and records the micro-batches it saw."""
+    seen: list[int] = []
+
+    def step_fn(params: Any, batch: Any) -> Any:
+        seen.append(len(seen) + 1)
+        grads = {name: torch.ones_like(leaf) for name, leaf in params.items()}
+        return {"w": grads["w"]} if seen[-1] == k else grads
+
+    step_fn.seen = seen  # type: ignore[attr-defined]
+    return step_fn
+
+
+case(
+    "accumulate-grads-missing-key-at-micro-batch-2",
+    pb,
+    lambda ns: gradaccum.accumulate(bad_tree_at_micro_batch(2), 4)(ns["params"], ns["batch"]),
+    ValueError,
+    "params tree",
+)
+
 for _id, _out in [
     ("bare-tensor", ONE3),
     ("grads-only", {"w": ONE3, "b": ONE}),
     ("3-tuple", ({"w": ONE3, "b": ONE}, 1.0, 2.0)),
     ("1-tuple", ({"w": ONE3, "b": ONE},)),
+    ("list-pair", [{"w": ONE3, "b": ONE}, 1.0]),
 ]:
     case(
         f"accumulate-has_aux-output-{_id}",
@@ -695,6 +855,15 @@ case(
     ValueError,
     "aux_reduction",
 )
+case(
+    "accumulate-aux_reduction-list-not-a-prefix",
+    pb,
+    lambda ns: gradaccum.accumulate(aux_fn, 2, has_aux=True, aux_reduction=["mean", "sum"])(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "aux_reduction",
+)
 
 
 def _changing_aux() -> Callable[..., Any]:
@@ -762,6 +931,7 @@ for _id, _batches in [
     ("tensor", torch.ones(3, 2, dtype=F64)),
     ("dict", {"a": torch.ones(2, dtype=F64)}),
     ("iterator", iter([torch.ones(2, dtype=F64)])),
+    ("generator", (t for t in [torch.ones(2, dtype=F64)])),
     ("int", 3),
     ("None", None),
     ("str", "ab"),
@@ -784,6 +954,15 @@ case(
     "micro-batch",
 )
 case(
+    "MicroBatches-empty-tuple",
+    lambda: {"params": params(), "batches": ()},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(
+        ns["params"], gradaccum.MicroBatches(ns["batches"])
+    ),
+    ValueError,
+    "micro-batch",
+)
+case(
     "accumulate-MicroBatches-0-rows",
     lambda: {"params": params(), "batches": [(x(3), y(3)), (x(0), y(0))]},
     lambda ns: gradaccum.accumulate(step_fn, 2)(
@@ -795,6 +974,15 @@ case(
 case(
     "accumulate-MicroBatches-without-tensor",
     lambda: {"params": params(), "batches": [(x(3), y(3)), [1, 2]]},
+    lambda ns: gradaccum.accumulate(step_fn, 2)(
+        ns["params"], gradaccum.MicroBatches(ns["batches"])
+    ),
+    ValueError,
+    "micro-batch 1",
+)
+case(
+    "accumulate-MicroBatches-without-tensor-tuple",
+    lambda: {"params": params(), "batches": [(x(3), y(3)), (1, 2)]},
     lambda ns: gradaccum.accumulate(step_fn, 2)(
         ns["params"], gradaccum.MicroBatches(ns["batches"])
     ),
@@ -916,7 +1104,14 @@ def _schedule_window_1(n: Any) -> NS:
     return {"acc": acc, "state": state, "out": out}
 
 
-for _id, _n, _exc in [("0", 0, ValueError), ("float", 2.5, TypeError)]:
+for _id, _n, _exc in [
+    ("0", 0, ValueError),
+    ("negative", -1, ValueError),
+    ("float", 2.5, TypeError),
+    ("bool", True, TypeError),
+    ("str", "4", TypeError),
+    ("None", None, TypeError),
+]:
     case(
         f"Accumulator-schedule-returns-{_id}-is_complete",
         lambda n=_n: _schedule_window_1(n),
@@ -933,6 +1128,22 @@ for _id, _n, _exc in [("0", 0, ValueError), ("float", 2.5, TypeError)]:
         "schedule",
         "n must be",
     )
+case(
+    "Accumulator-schedule-reduction-x",
+    dict,
+    lambda ns: gradaccum.Accumulator(lambda window: 2, "x"),  # type: ignore[arg-type]
+    ValueError,
+    "<schedule>",
+    "reduction",
+)
+case(
+    "Accumulator-schedule-finalize-empty-window",
+    lambda: {"acc": gradaccum.Accumulator(lambda window: 2), "params": params()},
+    lambda ns: ns["acc"].finalize(ns["acc"].init(ns["params"])),
+    ValueError,
+    "<schedule>",
+    "add()",
+)
 case(
     "Accumulator.init-params-leaf-str",
     lambda: {"acc": gradaccum.Accumulator(2), "params": {"w": "weights"}},
@@ -991,6 +1202,13 @@ case(
     "count=",
 )
 case(
+    "Accumulator.add-count-under-sum",
+    lambda: fresh(reduction="sum"),
+    lambda ns: ns["acc"].add(ns["state"], ns["grads"], size=2, count=7),
+    ValueError,
+    "count=",
+)
+case(
     "Accumulator.add-no-count-under-count",
     lambda: mid(reduction="count"),
     lambda ns: ns["acc"].add(ns["state"], ns["grads"], size=3),
@@ -1023,6 +1241,24 @@ for _red in ["mean", "sum", "count"]:
     case(
         f"Accumulator.finalize-empty-window-{_red}",
         lambda r=_red: fresh(reduction=r),
+        lambda ns: ns["acc"].finalize(ns["state"]),
+        ValueError,
+        "add()",
+    )
+
+
+def _after_a_window(reduction: str) -> NS:
+    """An Accumulator(n=2) and the fresh state that finalize returned after a window."""
+    ns = fresh(n=2, reduction=reduction)
+    weight = {"count": 2} if reduction == "count" else {}
+    _, state = ns["acc"].finalize(ns["acc"].add(ns["state"], ns["grads"], size=2, **weight))
+    return {**ns, "state": state}
+
+
+for _red in ["mean", "sum", "count"]:
+    case(
+        f"Accumulator.finalize-empty-window-after-a-window-{_red}",
+        lambda r=_red: _after_a_window(r),
         lambda ns: ns["acc"].finalize(ns["state"]),
         ValueError,
         "add()",
@@ -1177,6 +1413,33 @@ for _id, _setup, _name, _item in LOAD_BAD:
     )
 
 
+case(
+    "Accumulator.load_state_dict-format-only",
+    lambda: {**mid(), "sd": {"format": "gradaccum.AccumState/1"}},
+    lambda ns: ns["acc"].load_state_dict(ns["state"], ns["sd"]),
+    gradaccum.GradAccumError,
+    "lacks the keys",
+)
+
+
+def _extra_key(fresh_state: bool) -> NS:
+    """The state dict of a window over params() and one more leaf ``c``."""
+    ns = saved_other({**params(), "c": torch.zeros(1, dtype=F64)})
+    if fresh_state:
+        ns["state"] = ns["acc"].init(ns["params"])
+    return ns
+
+
+for _id, _fresh in [("extra-key", False), ("extra-key-into-fresh-state", True)]:
+    case(
+        f"Accumulator.load_state_dict-{_id}",
+        lambda f=_fresh: _extra_key(f),
+        lambda ns: ns["acc"].load_state_dict(ns["state"], ns["sd"]),
+        gradaccum.GradAccumError,
+        "['c']",
+    )
+
+
 class _OwnLayout:
     """A layout gradaccum did not make (e.g. an AccumState built by hand)."""
 
@@ -1215,8 +1478,20 @@ for _id, _new, _exc, _name in [
     ("extra", {"weight": W, "bias": B, "scale": B}, ValueError, "['scale']"),
     ("renamed", {"weight": W, "b": B}, ValueError, "['b']"),
     ("wrong-shape", {"weight": W, "bias": torch.ones(2, dtype=F64)}, ValueError, "grads['bias']"),
+    (
+        "wrong-shape-first",
+        {"weight": torch.ones(2, 1, dtype=F64), "bias": B},
+        ValueError,
+        "['weight']",
+    ),
     ("list", [W, B], TypeError, "grads"),
     ("int64", {"weight": W, "bias": torch.ones(1, dtype=torch.int64)}, TypeError, "grads['bias']"),
+    (
+        "complex128",
+        {"weight": W, "bias": torch.ones(1, dtype=torch.complex128)},
+        TypeError,
+        "['bias']",
+    ),
     ("str-value", {"weight": W, "bias": "g"}, ValueError, "grads['bias']"),
 ]:
     for _grad in (True, False):
@@ -2631,6 +2906,927 @@ case(
 )
 
 
+# -- the pinned messages -------------------------------------------------------------------------
+# The whole message of a case, character for character: a message changed on purpose is changed
+# here. (Cases without an entry check the words in their ``names`` only.)
+
+MESSAGES: dict[str, str] = {
+    "accumulate-n-0": (
+        "accumulate(step_fn, n=0): n must be a positive int (the number of micro-batches), "
+        "got 0; pass n >= 1 (n=1 computes the whole batch in one micro-batch)."
+    ),
+    "Accumulator-n-0": (
+        "Accumulator(n=0): n must be a positive int (the number of micro-batches), got 0; "
+        "pass n >= 1 (n=1 computes the whole batch in one micro-batch)."
+    ),
+    "accumulate-n-negative": (
+        "accumulate(step_fn, n=-1): n must be a positive int (the number of micro-batches), "
+        "got -1; pass n >= 1 (n=1 computes the whole batch in one micro-batch)."
+    ),
+    "Accumulator-n-negative": (
+        "Accumulator(n=-1): n must be a positive int (the number of micro-batches), got -1; "
+        "pass n >= 1 (n=1 computes the whole batch in one micro-batch)."
+    ),
+    "accumulate-n-float": (
+        "accumulate(step_fn, n=2.5): n must be a positive int (the number of "
+        "micro-batches), got float 2.5; pass e.g. n=4."
+    ),
+    "Accumulator-n-float": (
+        "Accumulator(n=2.5): n must be a positive int (the number of micro-batches), got "
+        "float 2.5; pass e.g. n=4."
+    ),
+    "accumulate-n-bool": (
+        "accumulate(step_fn, n=True): n must be a positive int (the number of "
+        "micro-batches), got bool True; pass e.g. n=4."
+    ),
+    "Accumulator-n-bool": (
+        "Accumulator(n=True): n must be a positive int (the number of micro-batches), got "
+        "bool True; pass e.g. n=4."
+    ),
+    "accumulate-n-str": (
+        "accumulate(step_fn, n='4'): n must be a positive int (the number of "
+        "micro-batches), got str '4'; pass e.g. n=4."
+    ),
+    "Accumulator-n-str": (
+        "Accumulator(n='4'): n must be a positive int (the number of micro-batches), got "
+        "str '4'; pass e.g. n=4."
+    ),
+    "accumulate-n-None": (
+        "accumulate(step_fn, n=None): n must be a positive int (the number of "
+        "micro-batches), got NoneType None; pass e.g. n=4."
+    ),
+    "Accumulator-n-None": (
+        "Accumulator(n=None): n must be a positive int (the number of micro-batches), got "
+        "NoneType None; pass e.g. n=4."
+    ),
+    "accumulate-reduction-avg": (
+        "accumulate(step_fn, n=2): reduction must be one of 'mean', 'sum', 'count', got str "
+        "'avg'; use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "Accumulator-reduction-avg": (
+        "Accumulator(n=2): reduction must be one of 'mean', 'sum', 'count', got str 'avg'; "
+        "use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "accumulate-reduction-upper-case": (
+        "accumulate(step_fn, n=2): reduction must be one of 'mean', 'sum', 'count', got str "
+        "'MEAN'; use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "Accumulator-reduction-upper-case": (
+        "Accumulator(n=2): reduction must be one of 'mean', 'sum', 'count', got str 'MEAN'; "
+        "use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "accumulate-reduction-None": (
+        "accumulate(step_fn, n=2): reduction must be one of 'mean', 'sum', 'count', got "
+        "NoneType None; use 'mean' when step_fn returns the gradient of a mean loss, 'sum' "
+        "to add gradients as they come, 'count' for a summed loss normalised by a count "
+        "that step_fn returns in its aux."
+    ),
+    "Accumulator-reduction-None": (
+        "Accumulator(n=2): reduction must be one of 'mean', 'sum', 'count', got NoneType "
+        "None; use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "accumulate-reduction-int": (
+        "accumulate(step_fn, n=2): reduction must be one of 'mean', 'sum', 'count', got int "
+        "1; use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "Accumulator-reduction-int": (
+        "Accumulator(n=2): reduction must be one of 'mean', 'sum', 'count', got int 1; use "
+        "'mean' when step_fn returns the gradient of a mean loss, 'sum' to add gradients as "
+        "they come, 'count' for a summed loss normalised by a count that step_fn returns in "
+        "its aux."
+    ),
+    "accumulate-accum_dtype-int32": (
+        "accumulate(step_fn, n=2): accum_dtype must be None or a floating torch.dtype, got "
+        "torch.int32; pass e.g. accum_dtype=torch.float32."
+    ),
+    "accumulate-count-reduction-without-count": (
+        "accumulate(aux_fn, n=2): reduction='count' needs has_aux=True and count=, a "
+        "function from a micro-batch's aux to the number of items its summed loss covers; "
+        "got has_aux=True, count=None. Pass e.g. has_aux=True, count=lambda aux: "
+        "aux['tokens']."
+    ),
+    "accumulate-count-reduction-without-has_aux": (
+        "accumulate(step_fn, n=2): reduction='count' needs has_aux=True and count=, a "
+        "function from a micro-batch's aux to the number of items its summed loss covers; "
+        "got has_aux=False, count=function. Pass e.g. has_aux=True, count=lambda aux: "
+        "aux['tokens']."
+    ),
+    "accumulate-count-with-mean": (
+        "accumulate(aux_fn, n=2): count= is used only with reduction='count', got "
+        "reduction='mean'; pass reduction='count' or drop count=."
+    ),
+    "accumulate-count-with-sum": (
+        "accumulate(aux_fn, n=2): count= is used only with reduction='count', got "
+        "reduction='sum'; pass reduction='count' or drop count=."
+    ),
+    "accumulate-count-reduction-without-has_aux-or-count": (
+        "accumulate(step_fn, n=2): reduction='count' needs has_aux=True and count=, a "
+        "function from a micro-batch's aux to the number of items its summed loss covers; "
+        "got has_aux=False, count=None. Pass e.g. has_aux=True, count=lambda aux: "
+        "aux['tokens']."
+    ),
+    "accumulate-count-reduction-count-not-a-function": (
+        "accumulate(aux_fn, n=2): reduction='count' needs has_aux=True and count=, a "
+        "function from a micro-batch's aux to the number of items its summed loss covers; "
+        "got has_aux=True, count=int 3. Pass e.g. has_aux=True, count=lambda aux: "
+        "aux['tokens']."
+    ),
+    "accumulate-aux_reduction-without-has_aux": (
+        "accumulate(step_fn, n=2): aux_reduction= needs has_aux=True (step_fn returning "
+        "(grads, aux)); pass has_aux=True or drop aux_reduction=."
+    ),
+    "accumulate-aux_reduction-unknown": (
+        "accumulate(aux_fn, n=2): aux_reduction must be one of 'mean', 'sum', 'count', "
+        "'concat', 'stack', 'last', got str 'avg'; pass one of those names, or a tree of "
+        "them shaped like the aux."
+    ),
+    "accumulate-aux_reduction-tree-leaf-unknown": (
+        "accumulate(aux_fn, n=2): aux_reduction leaf ['tokens'] must be one of 'mean', "
+        "'sum', 'count', 'concat', 'stack', 'last', got str 'avg'; pass one of those names, "
+        "or a tree of them shaped like the aux."
+    ),
+    "accumulate-batch_argnum-in-argnums": (
+        "accumulate(step_fn, n=2): batch_argnum=1 is also in argnums=(0, 1); the batch is "
+        "split, not differentiated. Pass the position of the batch as batch_argnum."
+    ),
+    "accumulate-batch_argnum-in-argnums-int": (
+        "accumulate(step_fn, n=2): batch_argnum=1 is also in argnums=1; the batch is split, "
+        "not differentiated. Pass the position of the batch as batch_argnum."
+    ),
+    "accumulate-batch_argnum-in-default-argnums": (
+        "accumulate(step_fn, n=2): batch_argnum=0 is also in argnums=0; the batch is split, "
+        "not differentiated. Pass the position of the batch as batch_argnum."
+    ),
+    "accumulate-batch-without-tensor-list-of-ints": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got leaves int 1, int 2, int 3; pass the batch tensors (e.g. (x, y) or {'x': "
+        "x, 'y': y}) as this argument."
+    ),
+    "accumulate-batch-without-tensor-dict-of-int": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got leaves int 3; pass the batch tensors (e.g. (x, y) or {'x': x, 'y': y}) "
+        "as this argument."
+    ),
+    "accumulate-batch-without-tensor-str": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got leaves str 'abc'; pass the batch tensors (e.g. (x, y) or {'x': x, 'y': "
+        "y}) as this argument."
+    ),
+    "accumulate-batch-without-tensor-empty-dict": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got dict; pass the batch tensors (e.g. (x, y) or {'x': x, 'y': y}) as this "
+        "argument."
+    ),
+    "accumulate-batch-without-tensor-empty-tuple": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got tuple; pass the batch tensors (e.g. (x, y) or {'x': x, 'y': y}) as this "
+        "argument."
+    ),
+    "accumulate-batch-without-tensor-None": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got NoneType None; pass the batch tensors (e.g. (x, y) or {'x': x, 'y': y}) "
+        "as this argument."
+    ),
+    "accumulate-batch-without-tensor-list-of-None": (
+        "accumulate(step_fn, n=2)(...): expected a batch pytree with at least one tensor "
+        "leaf, got list; pass the batch tensors (e.g. (x, y) or {'x': x, 'y': y}) as this "
+        "argument."
+    ),
+    "accumulate-batch-0-dim-leaf": (
+        "accumulate(step_fn, n=2)(...): batch leaf ['scale'] is a 0-dim tensor, which has "
+        "no dim 0 to split along; give it a leading batch dimension (x.unsqueeze(0)) or "
+        "pass it through another argument of step_fn."
+    ),
+    "accumulate-batch-rows-disagree": (
+        "accumulate(step_fn, n=2)(...): batch leaves disagree on their size along dim 0: "
+        "['x'] has 8 rows but ['y'] has 6; every tensor in a batch must have the same "
+        "number of rows. Give every tensor leaf of the batch the same number of rows, or "
+        "pass tensors that are not split by row through another argument of step_fn."
+    ),
+    "accumulate-batch-rows-disagree-nested": (
+        "accumulate(step_fn, n=2)(...): batch leaves disagree on their size along dim 0: "
+        "['in']['x'] has 8 rows but ['out'][1] has 5; every tensor in a batch must have the "
+        "same number of rows. Give every tensor leaf of the batch the same number of rows, "
+        "or pass tensors that are not split by row through another argument of step_fn."
+    ),
+    "accumulate-batch-numpy-leaf": (
+        "accumulate(step_fn, n=2)(...): batch leaf ['y'] is ndarray, which gradaccum does "
+        "not split (only torch tensors are split; other leaves go whole to every "
+        "micro-batch); convert it with torch.as_tensor, or pass it through another argument "
+        "of step_fn."
+    ),
+    "accumulate-n-more-than-rows": (
+        "accumulate(step_fn, n=9)(...): n=9 micro-batches is more than the 8 rows of the "
+        "batch, so some micro-batches would be empty; pass n <= 8, or a larger batch."
+    ),
+    "accumulate-batch-0-rows": (
+        "accumulate(step_fn, n=2)(...): the batch has 0 rows along dim 0, so there is "
+        "nothing to accumulate; pass a batch with at least n=2 rows."
+    ),
+    "accumulate-no-batch-argument": (
+        "accumulate(step_fn, n=2)(...): expected the params at position(s) [0] and the "
+        "batch at position 1, got 1 positional argument(s); pass them positionally, e.g. "
+        "step(params, batch)."
+    ),
+    "accumulate-no-argument": (
+        "accumulate(step_fn, n=2)(...): expected the params at position(s) [0] and the "
+        "batch at position 1, got 0 positional argument(s); pass them positionally, e.g. "
+        "step(params, batch)."
+    ),
+    "accumulate-batch_argnum-2-without-argument-2": (
+        "accumulate(step_fn, n=2)(...): expected the params at position(s) [0] and the "
+        "batch at position 2, got 2 positional argument(s); pass them positionally, e.g. "
+        "step(params, batch)."
+    ),
+    "accumulate-argnums-0-2-without-argument-2": (
+        "accumulate(step_fn, n=2)(...): expected the params at position(s) [0, 2] and the "
+        "batch at position 1, got 2 positional argument(s); pass them positionally, e.g. "
+        "step(params, batch)."
+    ),
+    "accumulate-batch-as-keyword": (
+        "accumulate(step_fn, n=2)(...): expected the params at position(s) [0] and the "
+        "batch at position 1, got 1 positional argument(s); pass them positionally, e.g. "
+        "step(params, batch)."
+    ),
+    "accumulate-grads-missing-key": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a dict with keys ['w']; step_fn "
+        "must return one gradient per params leaf, in a tree of the same structure (as "
+        "torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-missing-key": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a dict with keys ['w']; step_fn "
+        "must return one gradient per params leaf, in a tree of the same structure (as "
+        "torch.func.grad does)."
+    ),
+    "accumulate-grads-extra-key": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a dict with keys ['b', 'c', "
+        "'w']; step_fn must return one gradient per params leaf, in a tree of the same "
+        "structure (as torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-extra-key": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a dict with keys ['b', 'c', "
+        "'w']; step_fn must return one gradient per params leaf, in a tree of the same "
+        "structure (as torch.func.grad does)."
+    ),
+    "accumulate-grads-renamed-key": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a dict with keys ['bias', 'w']; "
+        "step_fn must return one gradient per params leaf, in a tree of the same structure "
+        "(as torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-renamed-key": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a dict with keys ['bias', 'w']; "
+        "step_fn must return one gradient per params leaf, in a tree of the same structure "
+        "(as torch.func.grad does)."
+    ),
+    "accumulate-grads-list-vs-dict": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a list of length 2; step_fn must "
+        "return one gradient per params leaf, in a tree of the same structure (as "
+        "torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-list-vs-dict": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a list of length 2; step_fn must "
+        "return one gradient per params leaf, in a tree of the same structure (as "
+        "torch.func.grad does)."
+    ),
+    "accumulate-grads-float-leaf": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] is float 1.0, expected a tensor "
+        "of shape (3,); step_fn must return tensors (as torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-float-leaf": (
+        "Accumulator.add(state, grads): gradient leaf ['w'] is float 1.0, expected a tensor "
+        "of shape (3,); step_fn must return tensors (as torch.func.grad does)."
+    ),
+    "accumulate-grads-wrong-shape": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] has shape (2,) but the params "
+        "leaf has shape (3,); step_fn must return gradients shaped like params (per-sample "
+        "gradients must be reduced inside step_fn)."
+    ),
+    "Accumulator.add-grads-wrong-shape": (
+        "Accumulator.add(state, grads): gradient leaf ['w'] has shape (2,) but the params "
+        "leaf has shape (3,); step_fn must return gradients shaped like params (per-sample "
+        "gradients must be reduced inside step_fn)."
+    ),
+    "accumulate-grads-per-sample": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] has shape (4, 3) but the params "
+        "leaf has shape (3,); step_fn must return gradients shaped like params (per-sample "
+        "gradients must be reduced inside step_fn)."
+    ),
+    "Accumulator.add-grads-per-sample": (
+        "Accumulator.add(state, grads): gradient leaf ['w'] has shape (4, 3) but the params "
+        "leaf has shape (3,); step_fn must return gradients shaped like params (per-sample "
+        "gradients must be reduced inside step_fn)."
+    ),
+    "accumulate-grads-int64": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] has dtype int64; gradients must "
+        "be real floating tensors (integer and complex gradients are not supported). Check "
+        "that step_fn returns gradients, not inputs or indices."
+    ),
+    "Accumulator.add-grads-int64": (
+        "Accumulator.add(state, grads): gradient leaf ['w'] has dtype int64; gradients must "
+        "be real floating tensors (integer and complex gradients are not supported). Check "
+        "that step_fn returns gradients, not inputs or indices."
+    ),
+    "accumulate-grads-complex": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['b'] has dtype complex128; gradients "
+        "must be real floating tensors (integer and complex gradients are not supported). "
+        "Check that step_fn returns gradients, not inputs or indices."
+    ),
+    "Accumulator.add-grads-complex": (
+        "Accumulator.add(state, grads): gradient leaf ['b'] has dtype complex128; gradients "
+        "must be real floating tensors (integer and complex gradients are not supported). "
+        "Check that step_fn returns gradients, not inputs or indices."
+    ),
+    "accumulate-grads-None-leaf": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] is None, expected a tensor of "
+        "shape (3,); step_fn must return a tensor for every params leaf "
+        "(torch.autograd.grad returns None for an unused parameter: pass "
+        "materialize_grads=True, or use torch.func.grad)."
+    ),
+    "accumulate-grads-bare-tensor": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a leaf; step_fn must return one "
+        "gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "Accumulator.add-grads-bare-tensor": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a leaf; step_fn must return one "
+        "gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "accumulate-grads-str-leaf": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['b'] is str 'g', expected a tensor "
+        "of shape (); step_fn must return tensors (as torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-str-leaf": (
+        "Accumulator.add(state, grads): gradient leaf ['b'] is str 'g', expected a tensor "
+        "of shape (); step_fn must return tensors (as torch.func.grad does)."
+    ),
+    "accumulate-grads-broadcastable-shape": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] has shape (1, 3) but the params "
+        "leaf has shape (3,); step_fn must return gradients shaped like params (per-sample "
+        "gradients must be reduced inside step_fn)."
+    ),
+    "Accumulator.add-grads-broadcastable-shape": (
+        "Accumulator.add(state, grads): gradient leaf ['w'] has shape (1, 3) but the params "
+        "leaf has shape (3,); step_fn must return gradients shaped like params (per-sample "
+        "gradients must be reduced inside step_fn)."
+    ),
+    "accumulate-grads-bool": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['w'] has dtype bool; gradients must "
+        "be real floating tensors (integer and complex gradients are not supported). Check "
+        "that step_fn returns gradients, not inputs or indices."
+    ),
+    "Accumulator.add-grads-bool": (
+        "Accumulator.add(state, grads): gradient leaf ['w'] has dtype bool; gradients must "
+        "be real floating tensors (integer and complex gradients are not supported). Check "
+        "that step_fn returns gradients, not inputs or indices."
+    ),
+    "accumulate-grads-nested-missing-key": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "['layer']: expected a dict with keys ['b', 'w'], got a dict with keys ['w']; "
+        "step_fn must return one gradient per params leaf, in a tree of the same structure "
+        "(as torch.func.grad does)."
+    ),
+    "Accumulator.add-grads-nested-missing-key": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "['layer']: expected a dict with keys ['b', 'w'], got a dict with keys ['w']; "
+        "step_fn must return one gradient per params leaf, in a tree of the same structure "
+        "(as torch.func.grad does)."
+    ),
+    "accumulate-grads-nested-leaf-vs-dict": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "['layer']: expected a dict with keys ['b', 'w'], got a leaf; step_fn must return "
+        "one gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "Accumulator.add-grads-nested-leaf-vs-dict": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "['layer']: expected a dict with keys ['b', 'w'], got a leaf; step_fn must return "
+        "one gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "accumulate-grads-nested-list-length": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "['out']: expected a list of length 1, got a list of length 2; step_fn must return "
+        "one gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "Accumulator.add-grads-nested-list-length": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "['out']: expected a list of length 1, got a list of length 2; step_fn must return "
+        "one gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "accumulate-grads-nested-tuple-vs-list": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "['out']: expected a list of length 1, got a tuple of length 1; step_fn must return "
+        "one gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "Accumulator.add-grads-nested-tuple-vs-list": (
+        "Accumulator.add(state, grads): the gradients do not match the params tree at "
+        "['out']: expected a list of length 1, got a tuple of length 1; step_fn must return "
+        "one gradient per params leaf, in a tree of the same structure (as torch.func.grad "
+        "does)."
+    ),
+    "accumulate-grads-nested-wrong-shape": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['layer']['b'] has shape (3,) but the "
+        "params leaf has shape (2,); step_fn must return gradients shaped like params "
+        "(per-sample gradients must be reduced inside step_fn)."
+    ),
+    "Accumulator.add-grads-nested-wrong-shape": (
+        "Accumulator.add(state, grads): gradient leaf ['layer']['b'] has shape (3,) but the "
+        "params leaf has shape (2,); step_fn must return gradients shaped like params "
+        "(per-sample gradients must be reduced inside step_fn)."
+    ),
+    "accumulate-grads-nested-int32": (
+        "accumulate(step_fn, n=2)(...): gradient leaf ['layer']['b'] has dtype int32; "
+        "gradients must be real floating tensors (integer and complex gradients are not "
+        "supported). Check that step_fn returns gradients, not inputs or indices."
+    ),
+    "Accumulator.add-grads-nested-int32": (
+        "Accumulator.add(state, grads): gradient leaf ['layer']['b'] has dtype int32; "
+        "gradients must be real floating tensors (integer and complex gradients are not "
+        "supported). Check that step_fn returns gradients, not inputs or indices."
+    ),
+    "accumulate-grads-missing-key-at-micro-batch-2": (
+        "accumulate(step_fn, n=4)(...): the gradients do not match the params tree at <root>: "
+        "expected a dict with keys ['b', 'w'], got a dict with keys ['w']; step_fn must return one "
+        "gradient per params leaf, in a tree of the same structure (as torch.func.grad does)."
+    ),
+    "accumulate-has_aux-output-bare-tensor": (
+        "accumulate(step_fn, n=2)(...): with has_aux=True, step_fn must return a pair "
+        "(grads, aux), got Tensor(shape=(3,), dtype=float64); return (grads, aux), as "
+        "torch.func.grad_and_value does, or pass has_aux=False."
+    ),
+    "accumulate-has_aux-output-grads-only": (
+        "accumulate(step_fn, n=2)(...): with has_aux=True, step_fn must return a pair "
+        "(grads, aux), got dict; return (grads, aux), as torch.func.grad_and_value does, or "
+        "pass has_aux=False."
+    ),
+    "accumulate-has_aux-output-3-tuple": (
+        "accumulate(step_fn, n=2)(...): with has_aux=True, step_fn must return a pair "
+        "(grads, aux), got tuple of length 3; return (grads, aux), as "
+        "torch.func.grad_and_value does, or pass has_aux=False."
+    ),
+    "accumulate-has_aux-output-1-tuple": (
+        "accumulate(step_fn, n=2)(...): with has_aux=True, step_fn must return a pair "
+        "(grads, aux), got tuple of length 1; return (grads, aux), as "
+        "torch.func.grad_and_value does, or pass has_aux=False."
+    ),
+    "accumulate-has_aux-output-list-pair": (
+        "accumulate(step_fn, n=2)(...): with has_aux=True, step_fn must return a pair "
+        "(grads, aux), got list of length 2; return (grads, aux), as "
+        "torch.func.grad_and_value does, or pass has_aux=False."
+    ),
+    "accumulate-pair-without-has_aux": (
+        "accumulate(step_fn, n=2)(...): the gradients do not match the params tree at "
+        "<root>: expected a dict with keys ['b', 'w'], got a tuple of length 2; step_fn "
+        "must return one gradient per params leaf, in a tree of the same structure (as "
+        "torch.func.grad does); if step_fn returns (grads, aux), pass has_aux=True."
+    ),
+    "accumulate-count-negative": (
+        "accumulate(aux_fn, n=2)(...): the count must be >= 0, got -3; return the number of "
+        "items the summed loss covers."
+    ),
+    "accumulate-count-str": (
+        "accumulate(aux_fn, n=2)(...): the count must be a number or a one-element real "
+        "tensor, got str '3'; return the number of items the summed loss covers, e.g. "
+        "(labels != pad_id).sum()."
+    ),
+    "accumulate-count-two-elements": (
+        "accumulate(aux_fn, n=2)(...): the count must be a number or a one-element real "
+        "tensor, got Tensor(shape=(2,), dtype=float64); return the number of items the "
+        "summed loss covers, e.g. (labels != pad_id).sum()."
+    ),
+    "accumulate-count-complex": (
+        "accumulate(aux_fn, n=2)(...): the count must be a number or a one-element real "
+        "tensor, got Tensor(shape=(), dtype=complex64); return the number of items the "
+        "summed loss covers, e.g. (labels != pad_id).sum()."
+    ),
+    "accumulate-aux_reduction-count-without-count-reduction": (
+        "accumulate(aux_fn, n=2)(...): aux_reduction 'count' for aux leaf ['loss'] needs "
+        "reduction='count' (there is no count to divide by); use 'mean' or 'sum'."
+    ),
+    "accumulate-aux_reduction-not-a-prefix": (
+        "accumulate(aux_fn, n=2)(...): aux_reduction {'loss': 'mean'} is not a prefix of "
+        "the aux tree PyTreeSpec({'loss': *, 'tokens': *}): at <root>: expected a dict with "
+        "keys ['loss'], got a dict with keys ['loss', 'tokens']; pass one name for all "
+        "leaves, or a tree shaped like the aux (or a prefix of it) whose leaves are names."
+    ),
+    "accumulate-aux_reduction-list-not-a-prefix": (
+        "accumulate(aux_fn, n=2)(...): aux_reduction ['mean', 'sum'] is not a prefix of the "
+        "aux tree PyTreeSpec({'loss': *, 'tokens': *}): at <root>: expected a list of "
+        "length 2, got a dict with keys ['loss', 'tokens']; pass one name for all leaves, "
+        "or a tree shaped like the aux (or a prefix of it) whose leaves are names."
+    ),
+    "MicroBatches-tensor": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
+        "Tensor(shape=(3, 2), dtype=float64); wrap your micro-batches in a list: "
+        "MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-dict": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got dict; "
+        "wrap your micro-batches in a list: MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-iterator": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
+        "list_iterator; wrap your micro-batches in a list: MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-generator": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
+        "generator; wrap your micro-batches in a list: MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-int": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got int 3; "
+        "wrap your micro-batches in a list: MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-None": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got "
+        "NoneType None; wrap your micro-batches in a list: MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-str": (
+        "MicroBatches(batches): expected a list or tuple of micro-batch pytrees, got str "
+        "'ab'; wrap your micro-batches in a list: MicroBatches([mb0, mb1, ...])."
+    ),
+    "MicroBatches-empty": (
+        "accumulate(step_fn, n=2)(...): the MicroBatches is empty; without a sync there is "
+        "nothing to accumulate: pass MicroBatches([mb0, ...]) with one or more "
+        "micro-batches (with sync=, an empty MicroBatches joins the boundary with zero "
+        "weight)."
+    ),
+    "MicroBatches-empty-tuple": (
+        "accumulate(step_fn, n=2)(...): the MicroBatches is empty; without a sync there is "
+        "nothing to accumulate: pass MicroBatches([mb0, ...]) with one or more "
+        "micro-batches (with sync=, an empty MicroBatches joins the boundary with zero "
+        "weight)."
+    ),
+    "accumulate-MicroBatches-0-rows": (
+        "accumulate(step_fn, n=2)(...): micro-batch 1 of the MicroBatches has 0 rows; a "
+        "micro-batch needs at least one row. Drop empty micro-batches before passing them."
+    ),
+    "accumulate-MicroBatches-without-tensor-tuple": (
+        "accumulate(step_fn, n=2)(...) micro-batch 1: expected a batch pytree with at least "
+        "one tensor leaf, got leaves int 1, int 2; pass the batch tensors (e.g. (x, y) or "
+        "{'x': x, 'y': y}) as this argument."
+    ),
+    "Accumulator-schedule-returns-0-is_complete": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got 0; pass n >= 1 (n=1 computes the whole "
+        "batch in one micro-batch)."
+    ),
+    "Accumulator-schedule-returns-0-window_size": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got 0; pass n >= 1 (n=1 computes the whole "
+        "batch in one micro-batch)."
+    ),
+    "Accumulator-schedule-returns-negative-is_complete": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got -1; pass n >= 1 (n=1 computes the whole "
+        "batch in one micro-batch)."
+    ),
+    "Accumulator-schedule-returns-negative-window_size": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got -1; pass n >= 1 (n=1 computes the whole "
+        "batch in one micro-batch)."
+    ),
+    "Accumulator-schedule-returns-float-is_complete": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got float 2.5; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-float-window_size": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got float 2.5; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-bool-is_complete": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got bool True; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-bool-window_size": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got bool True; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-str-is_complete": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got str '4'; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-str-window_size": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got str '4'; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-None-is_complete": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got NoneType None; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-returns-None-window_size": (
+        "Accumulator(n=<schedule>): the schedule's value for window 1: n must be a positive "
+        "int (the number of micro-batches), got NoneType None; pass e.g. n=4."
+    ),
+    "Accumulator-schedule-reduction-x": (
+        "Accumulator(n=<schedule>): reduction must be one of 'mean', 'sum', 'count', got "
+        "str 'x'; use 'mean' when step_fn returns the gradient of a mean loss, 'sum' to add "
+        "gradients as they come, 'count' for a summed loss normalised by a count that "
+        "step_fn returns in its aux."
+    ),
+    "Accumulator-schedule-finalize-empty-window": (
+        "Accumulator(n=<schedule>).finalize(state): the window holds no micro-batch, so "
+        "there is no gradient to return; call add() at least once before finalize()."
+    ),
+    "Accumulator.add-state-not-a-state": (
+        "Accumulator.add(state, grads): state must be an AccumState (from Accumulator.init, "
+        "add or finalize), got dict; start with state = acc.init(params), then state = "
+        "acc.add(state, grads, ...)."
+    ),
+    "Accumulator.add-without-size": (
+        "Accumulator.add(state, grads): reduction='mean' needs size=, the micro-batch's "
+        "number of rows, to weight it exactly; pass size=len(micro_batch)."
+    ),
+    "Accumulator.add-size-0": (
+        "Accumulator.add(state, grads): size must be the micro-batch's number of rows, a "
+        "positive int, got int 0; pass size=len(micro_batch)."
+    ),
+    "Accumulator.add-size-str": (
+        "Accumulator.add(state, grads): size must be the micro-batch's number of rows, a "
+        "positive int, got str '3'; pass size=len(micro_batch)."
+    ),
+    "Accumulator.add-size-float": (
+        "Accumulator.add(state, grads): size must be the micro-batch's number of rows, a "
+        "positive int, got float 2.5; pass size=len(micro_batch)."
+    ),
+    "Accumulator.add-size-bool": (
+        "Accumulator.add(state, grads): size must be the micro-batch's number of rows, a "
+        "positive int, got bool True; pass size=len(micro_batch)."
+    ),
+    "Accumulator.add-count-under-mean": (
+        "Accumulator.add(state, grads): count= is used only with reduction='count', got "
+        "reduction='mean'; pass size= (the micro-batch's rows), or use Accumulator(n, "
+        "reduction='count')."
+    ),
+    "Accumulator.add-count-under-sum": (
+        "Accumulator.add(state, grads): count= is used only with reduction='count', got "
+        "reduction='sum'; pass size= (the micro-batch's rows), or use Accumulator(n, "
+        "reduction='count')."
+    ),
+    "Accumulator.add-no-count-under-count": (
+        "Accumulator.add(state, grads): reduction='count' needs count=, the number of items "
+        "the micro-batch's summed loss covers; pass e.g. count=(labels != pad_id).sum()."
+    ),
+    "Accumulator.finalize-empty-window-after-a-window-mean": (
+        "Accumulator(n=2).finalize(state): the window holds no micro-batch, so there is no "
+        "gradient to return; call add() at least once before finalize()."
+    ),
+    "Accumulator.finalize-empty-window-after-a-window-sum": (
+        "Accumulator(n=2).finalize(state): the window holds no micro-batch, so there is no "
+        "gradient to return; call add() at least once before finalize()."
+    ),
+    "Accumulator.finalize-empty-window-after-a-window-count": (
+        "Accumulator(n=2).finalize(state): the window holds no micro-batch, so there is no "
+        "gradient to return; call add() at least once before finalize()."
+    ),
+    "Accumulator.finalize-counts-add-up-to-0": (
+        "Accumulator(n=2).finalize(state): the window's counts add up to 0, so there is no "
+        "item mean to divide by; skip windows with no items (e.g. all padding), or use "
+        "reduction='sum'."
+    ),
+    "Accumulator.load_state_dict-list": (
+        "Accumulator.load_state_dict(state, state_dict): expected a dict saved by "
+        "Accumulator.state_dict (format 'gradaccum.AccumState/1'), got list; pass the dict "
+        "that state_dict() returned (torch.load(path, weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-None": (
+        "Accumulator.load_state_dict(state, state_dict): expected a dict saved by "
+        "Accumulator.state_dict (format 'gradaccum.AccumState/1'), got NoneType None; pass "
+        "the dict that state_dict() returned (torch.load(path, weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-tensor": (
+        "Accumulator.load_state_dict(state, state_dict): expected a dict saved by "
+        "Accumulator.state_dict (format 'gradaccum.AccumState/1'), got Tensor(shape=(2,), "
+        "dtype=float64); pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-module-state-dict": (
+        "Accumulator.load_state_dict(state, state_dict): expected a dict saved by "
+        "Accumulator.state_dict (format 'gradaccum.AccumState/1'), got format None; pass "
+        "the dict that state_dict() returned (torch.load(path, weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-empty-dict": (
+        "Accumulator.load_state_dict(state, state_dict): expected a dict saved by "
+        "Accumulator.state_dict (format 'gradaccum.AccumState/1'), got format None; pass "
+        "the dict that state_dict() returned (torch.load(path, weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-other-format": (
+        "Accumulator.load_state_dict(state, state_dict): expected a dict saved by "
+        "Accumulator.state_dict (format 'gradaccum.AccumState/1'), got format "
+        "'gradaccum.streaming.AccumState/0'; pass the dict that state_dict() returned "
+        "(torch.load(path, weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-no-sums-key": (
+        "Accumulator.load_state_dict(state, state_dict): the state dict lacks the keys "
+        "['sums']; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-short-shapes": (
+        "Accumulator.load_state_dict(state, state_dict): the state dict has 2 paths but 1 "
+        "shapes; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-short-sums": (
+        "Accumulator.load_state_dict(state, state_dict): the state dict has 2 paths but 1 "
+        "running sums; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-micro_step-str": (
+        "Accumulator.load_state_dict(state, state_dict): micro_step must be a non-negative "
+        "int, got str 'x'; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-weight-str": (
+        "Accumulator.load_state_dict(state, state_dict): weight must be a number or a 0-dim "
+        "tensor, got str 'x'; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-different-keys": (
+        "Accumulator.load_state_dict(state, state_dict): the saved state is for a different "
+        "params tree: params leaves [\"['b']\"] are not in the saved state; saved leaves "
+        "[\"['c']\"] are not in the params; load it for the same params it was saved with."
+    ),
+    "Accumulator.load_state_dict-missing-key": (
+        "Accumulator.load_state_dict(state, state_dict): the saved state is for a different "
+        "params tree: params leaves [\"['b']\"] are not in the saved state; load it for the "
+        "same params it was saved with."
+    ),
+    "Accumulator.load_state_dict-different-shape": (
+        "Accumulator.load_state_dict(state, state_dict): params leaf ['w'] is shape [3] "
+        "float64 but the state was saved for shape [4] float64; load it for the same params "
+        "it was saved with."
+    ),
+    "Accumulator.load_state_dict-different-dtype": (
+        "Accumulator.load_state_dict(state, state_dict): params leaf ['b'] is shape [] "
+        "float64 but the state was saved for shape [] float32; load it for the same params "
+        "it was saved with."
+    ),
+    "Accumulator.load_state_dict-different-reduction": (
+        "Accumulator.load_state_dict(state, state_dict): the state was saved with "
+        "reduction='sum' but this Accumulator has reduction='mean'; load it into an "
+        "Accumulator with the same reduction."
+    ),
+    "Accumulator.load_state_dict-different-accum_dtype": (
+        "Accumulator.load_state_dict(state, state_dict): saved running sum for ['b'] is "
+        "Tensor(shape=(), dtype=float32), expected shape [] float64 (the accumulation "
+        "dtype); save and load with the same accum_dtype."
+    ),
+    "Accumulator.load_state_dict-format-only": (
+        "Accumulator.load_state_dict(state, state_dict): the state dict lacks the keys "
+        "['accum_dtypes', 'dtypes', 'micro_step', 'paths', 'reduction', 'shapes', 'sums', "
+        "'weight', 'window']; pass the dict that state_dict() returned (torch.load(path, "
+        "weights_only=True))."
+    ),
+    "Accumulator.load_state_dict-extra-key": (
+        "Accumulator.load_state_dict(state, state_dict): the saved state is for a different "
+        "params tree: saved leaves [\"['c']\"] are not in the params; load it for the same "
+        "params it was saved with."
+    ),
+    "Accumulator.load_state_dict-extra-key-into-fresh-state": (
+        "Accumulator.load_state_dict(state, state_dict): the saved state is for a different "
+        "params tree: saved leaves [\"['c']\"] are not in the params; load it for the same "
+        "params it was saved with."
+    ),
+    "write_grads-missing-grad-set": (
+        "write_grads(module, grads): grads and the module's trainable parameters differ: "
+        "missing ['bias'], unknown []; compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-missing-grad-None": (
+        "write_grads(module, grads): grads and the module's trainable parameters differ: "
+        "missing ['bias'], unknown []; compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-extra-grad-set": (
+        "write_grads(module, grads): grads and the module's trainable parameters differ: "
+        "missing [], unknown ['scale']; compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-extra-grad-None": (
+        "write_grads(module, grads): grads and the module's trainable parameters differ: "
+        "missing [], unknown ['scale']; compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-renamed-grad-set": (
+        "write_grads(module, grads): grads and the module's trainable parameters differ: "
+        "missing ['bias'], unknown ['b']; compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-renamed-grad-None": (
+        "write_grads(module, grads): grads and the module's trainable parameters differ: "
+        "missing ['bias'], unknown ['b']; compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-wrong-shape-grad-set": (
+        "write_grads(module, grads): grads['bias'] is Tensor(shape=(2,), dtype=float64), "
+        "expected shape (1,); compute grads with respect to gradaccum.params_of(module)."
+    ),
+    "write_grads-wrong-shape-grad-None": (
+        "write_grads(module, grads): grads['bias'] is Tensor(shape=(2,), dtype=float64), "
+        "expected shape (1,); compute grads with respect to gradaccum.params_of(module)."
+    ),
+    "write_grads-wrong-shape-first-grad-set": (
+        "write_grads(module, grads): grads['weight'] is Tensor(shape=(2, 1), "
+        "dtype=float64), expected shape (1, 2); compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-wrong-shape-first-grad-None": (
+        "write_grads(module, grads): grads['weight'] is Tensor(shape=(2, 1), "
+        "dtype=float64), expected shape (1, 2); compute grads with respect to "
+        "gradaccum.params_of(module)."
+    ),
+    "write_grads-list-grad-set": (
+        "write_grads(module, grads): grads must be a dict of tensors by parameter name, got "
+        "list; use the params dict from gradaccum.params_of(module)."
+    ),
+    "write_grads-list-grad-None": (
+        "write_grads(module, grads): grads must be a dict of tensors by parameter name, got "
+        "list; use the params dict from gradaccum.params_of(module)."
+    ),
+    "write_grads-int64-grad-set": (
+        "write_grads(module, grads): grads['bias'] has dtype int64; gradients must be real "
+        "floating tensors. Compute grads with respect to gradaccum.params_of(module)."
+    ),
+    "write_grads-int64-grad-None": (
+        "write_grads(module, grads): grads['bias'] has dtype int64; gradients must be real "
+        "floating tensors. Compute grads with respect to gradaccum.params_of(module)."
+    ),
+    "write_grads-complex128-grad-set": (
+        "write_grads(module, grads): grads['bias'] has dtype complex128; gradients must be "
+        "real floating tensors. Compute grads with respect to gradaccum.params_of(module)."
+    ),
+    "write_grads-complex128-grad-None": (
+        "write_grads(module, grads): grads['bias'] has dtype complex128; gradients must be "
+        "real floating tensors. Compute grads with respect to gradaccum.params_of(module)."
+    ),
+    "update_buffers-unknown-name-dict": (
+        "update_buffers(buffers, new_buffers): new_buffers has ['running_avg'], which buffers "
+        "does not have (it has ['num_batches_tracked', 'running_mean', 'running_var']); pass the "
+        "buffers of the same module."
+    ),
+    "update_buffers-unknown-name-module": (
+        "update_buffers(buffers, new_buffers): new_buffers has ['running_avg'], which buffers "
+        "does not have (it has ['num_batches_tracked', 'running_mean', 'running_var']); pass the "
+        "buffers of the same module."
+    ),
+    "update_buffers-wrong-shape-4": (
+        "update_buffers(buffers, new_buffers): new_buffers['running_var'] is "
+        "Tensor(shape=(4,), dtype=float64), expected shape (3,); pass the new_buffers that "
+        "call_module returned for the same module."
+    ),
+    "update_buffers-wrong-shape-0-dim": (
+        "update_buffers(buffers, new_buffers): new_buffers['running_var'] is "
+        "Tensor(shape=(), dtype=float64), expected shape (3,); pass the new_buffers that "
+        "call_module returned for the same module."
+    ),
+    "update_buffers-wrong-shape-float": (
+        "update_buffers(buffers, new_buffers): new_buffers['running_var'] is float 1.0, "
+        "expected shape (3,); pass the new_buffers that call_module returned for the same "
+        "module."
+    ),
+    "update_buffers-new_buffers-list": (
+        "update_buffers(buffers, new_buffers): new_buffers must be a dict of tensors by "
+        "buffer name, got list; pass the new_buffers that call_module returned."
+    ),
+    "testing.compare-count-without-count": (
+        "accumulate(aux_fn, n=2): reduction='count' needs has_aux=True and count=, a "
+        "function from a micro-batch's aux to the number of items its summed loss covers; "
+        "got has_aux=True, count=None. Pass e.g. has_aux=True, count=lambda aux: "
+        "aux['tokens']."
+    ),
+    "testing.compare-batch-rows-disagree": (
+        "accumulate(step_fn, n=2)(...): batch leaves disagree on their size along dim 0: "
+        "[0] has 8 rows but [1] has 6; every tensor in a batch must have the same number of "
+        "rows. Give every tensor leaf of the batch the same number of rows, or pass tensors "
+        "that are not split by row through another argument of step_fn."
+    ),
+}
+
 # -- the generic test ---------------------------------------------------------------------------
 
 # After the call shape and the expectation, a fix: "; pass ...", ". Use ...", "; step_fn must ...".
@@ -2787,7 +3983,14 @@ def test_misuse(c: Case, request: pytest.FixtureRequest) -> None:
     with pytest.raises(c.exc) as info:
         c.call(ns)
     check_message(c, info.value)
+    if c.id in MESSAGES:
+        assert message(info.value) == MESSAGES[c.id]
     assert_unchanged(before, snapshot(ns))
+
+
+def test_every_pinned_message_belongs_to_a_case() -> None:
+    ids = {c.id for c in CASES}
+    assert not [k for k in MESSAGES if k not in ids]
 
 
 def test_the_catalogue_is_broad() -> None:
@@ -2837,6 +4040,19 @@ def test_the_snapshot_sees_every_kind_of_change() -> None:
 
 
 # -- what must keep working next to the errors above ---------------------------------------------
+
+
+def test_an_error_at_a_later_micro_batch_leaves_no_partial_work() -> None:
+    """Micro-batch 2 returns a bad tree (case accumulate-grads-missing-key-at-micro-batch-2):
+    it stops there, and the next call starts afresh."""
+    fn = bad_tree_at_micro_batch(2)
+    step = gradaccum.accumulate(fn, 4)
+    p, batch = params(), (x(), y())
+    with pytest.raises(ValueError, match="do not match the params tree"):
+        step(p, batch)
+    assert fn.seen == [1, 2]  # type: ignore[attr-defined]
+    got = step(p, batch)  # micro-batches 3 to 6 of the step function: all good
+    assert all(torch.equal(got[k], torch.ones_like(p[k])) for k in p)
 
 
 def test_a_fresh_state_may_be_reused() -> None:

@@ -64,6 +64,7 @@ def test_readme_leads_with_the_loop() -> None:
     assert home[:3] == [before.source, after.source, functional.source]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("rows", [96, 84])
 def test_before_after(rows: int) -> None:
     stdout = run_example("before_after.py", "--rows", str(rows))
@@ -146,6 +147,7 @@ def test_no_checkpoint_is_tracked() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
 def test_lightning_sampler_shuffles(ranks: int) -> None:
     pytest.importorskip("lightning", reason="needs the [lightning] extra")

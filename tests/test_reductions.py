@@ -981,6 +981,7 @@ def _disagreeing_trees(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_ranks_with_different_trees_raise_instead_of_adding_unrelated_elements() -> None:
     for message in values(run(_disagreeing_trees)):

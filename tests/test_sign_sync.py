@@ -17,7 +17,7 @@ from dist import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sign_sync.py"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test runs the example
 
 
 def run(*args: str, ranks: int) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ from models import (
     token_count_step,
     token_mean_loss,
 )
-from test_errors import raises
+from test_misuse import raises
 from torch.func import grad
 
 import gradaccum

@@ -283,6 +283,7 @@ def test_transforms_inside_the_step_function_accumulate_exactly(inner: Any) -> N
     assert _max_diff(step(params, batch), grad(loss)(params, batch)) < TIGHT
 
 
+@pytest.mark.slow  # compiles (5 s); test_accumulate.py compiles a step in the fast tier
 def test_compiled_accumulate_is_exact() -> None:
     params, batch = make()
     for step_fn in (grad(loss), func_step):

@@ -106,7 +106,11 @@ class Windows(Generic[B]):
         found = data_axes(where, sync, group)
         if timeout is None:
             timeout = getattr(sync, "timeout", None)
-        self.data, self.sync, self.n, self.epochs, self.prefetch = data, sync, n, epochs, prefetch
+        self.data = data
+        self.sync = sync
+        self.n = n
+        self.epochs = epochs
+        self.prefetch = prefetch
         self._source = Source(where, data)
         self._agreement = None if found is None else Agreement(where, found, timeout)
         if found is not None:
@@ -114,10 +118,14 @@ class Windows(Generic[B]):
         # Called with the error when reading a micro-batch raises where the other ranks' next
         # collective is the boundary of the step fed by these windows (loop.Step(data=...)).
         self._on_error: list[Callable[[BaseException], None]] = []
-        # The position: the epoch, micro-batches taken in it, the window in progress (its global
-        # index, micro-batches taken in it, whether its iteration ended), the epoch's first window.
-        self._epoch = self._pos = self._window = self._in_window = self._epoch_window = 0
-        self._started = self._closed = False  # the window in progress was yielded; its loop ended
+        # The position.
+        self._epoch = 0  # the epoch
+        self._pos = 0  # micro-batches taken in the epoch
+        self._window = 0  # the global index of the window in progress
+        self._in_window = 0  # micro-batches taken in the window in progress
+        self._epoch_window = 0  # the global index of the epoch's first window
+        self._started = False  # the window in progress was yielded
+        self._closed = False  # the window in progress's iteration ended
         self._rng: torch.Tensor | None = None  # the RNG the epoch's iterator was created with
         self._gens: list[torch.Tensor] = []
         self._gens_now: list[torch.Tensor] = []  # the data's generators when the state was saved
@@ -135,7 +143,8 @@ class Windows(Generic[B]):
         self._win_start = 0
         self._snapshot: tuple[Any, dict[str, Any]] | None = None
         self._before_end: Any = None  # (without len()) its state before the latest read
-        self._keeps = self._unsized = False  # the epoch's data keeps its state; has no len()
+        self._keeps = False  # the epoch's data keeps its own state
+        self._unsized = False  # the epoch's data has no len()
         self._resume: dict[str, Any] | None = None  # a loaded position, until the next loop
         self._head: list[B] = []  # the window's micro-batches taken before the resume, read again
         self._taken = 0  # how many micro-batches of the window were taken before the resume
@@ -179,7 +188,8 @@ class Windows(Generic[B]):
         total = first = 0
         for _ in range(self.epochs):
             k = count_windows(self._where, self.n, first, longest)
-            total, first = total + k, first + k
+            total += k
+            first += k
         return total
 
     # -- agreement -------------------------------------------------------------------------------
@@ -209,7 +219,8 @@ class Windows(Generic[B]):
             signature = _signature(self._sizes(self._epoch_window))
         except Exception as err:  # noqa: BLE001 - reported to every rank, then raised here
             failed = err
-        sized, length = int(mine is not None), mine or 0
+        sized = int(mine is not None)
+        length = mine or 0
         epochs = -1 if self.epochs is None else self.epochs
         at = [self._epoch, -self._epoch, self._window, -self._window]
         values = [int(failed is not None), *at, sized, -sized, signature, -signature]
@@ -266,7 +277,10 @@ class Windows(Generic[B]):
         if k == 7:
             mine = self._sizes(self._epoch_window)
             return f"this rank's windows hold {mine} micro-batches, another rank's differ"
-        low, high = ("None" if v < 0 else str(v) for v in (-values[k + 1], values[k]))
+        least = -values[k + 1]  # agreed as the MAX of -v over the ranks
+        most = values[k]  # agreed as the MAX of v
+        low = "None" if least < 0 else str(least)  # a value of -1 stands for None
+        high = "None" if most < 0 else str(most)
         return f"between {low} and {high} over the ranks"
 
     def _any(self, has: bool, failed: bool) -> bool:
@@ -379,7 +393,8 @@ class Windows(Generic[B]):
                     try:
                         has = self._peek(notify=False)
                     except Exception as err:  # noqa: BLE001 - told to every rank, then raised
-                        failed, has = err, False
+                        failed = err
+                        has = False
                     agreed = self._any(has, failed is not None)
                     if failed is not None:
                         raise failed
@@ -387,16 +402,19 @@ class Windows(Generic[B]):
                         break
                 left = size - self._in_window
             self._started = True
-            head, self._head = self._head, []
+            head = self._head
+            self._head = []
             window = DataWindow(self, self._epoch, self._window, start, left, count is not None)
-            window.taken, self._taken = self._taken, 0
+            window.taken = self._taken
+            self._taken = 0
             window._at = self._pos
             if count is not None:
                 window._len = window.taken + left
             if self.prefetch:
                 rest = [b for b in (self._pull() for _ in range(left)) if b is not END]
                 window.batches = head + rest
-                window._left, window._len = len(rest), len(head) + len(rest)
+                window._left = len(rest)
+                window._len = len(head) + len(rest)
             self._current = window
             yield window
             self._finish(window)
@@ -440,16 +458,26 @@ class Windows(Generic[B]):
                 iter(data)
 
     def _advance(self) -> None:
-        self._window, self._in_window, self._taken = self._window + 1, 0, 0
-        self._started = self._closed = False
+        self._window += 1
+        self._in_window = 0
+        self._taken = 0
+        self._started = False
+        self._closed = False
 
     def _next_epoch(self) -> None:
         self._epoch += 1
-        self._epoch_window, self._pos, self._in_window = self._window, 0, 0
-        self._rng, self._gens, self._it, self._exhausted = None, [], None, False
+        self._epoch_window = self._window
+        self._pos = 0
+        self._in_window = 0
+        self._rng = None
+        self._gens = []
+        self._it = None
+        self._exhausted = False
         self._buffer.clear()
-        self._read = self._win_start = 0
-        self._snapshot = self._before_end = None
+        self._read = 0
+        self._win_start = 0
+        self._snapshot = None
+        self._before_end = None
 
     def _finish(self, window: DataWindow[B]) -> None:
         """Skip a window left untouched; refuse one left part-way (its rest would be lost)."""
@@ -487,11 +515,17 @@ class Windows(Generic[B]):
                     f"{self._where}: window {window.index} is over (the loop has moved on); "
                     f"iterate a window while it is the current one."
                 )
-            item = (queue.popleft() if queue else END) if queue is not None else self._pull()
+            if queue is None:
+                item = self._pull()
+            elif queue:
+                item = queue.popleft()
+            else:
+                item = END
             if item is END:
                 break
             window._left -= 1
-            self._pos, self._in_window = self._pos + 1, self._in_window + 1
+            self._pos += 1
+            self._in_window += 1
             yield item
         if self._current is window:
             self._closed = True
@@ -557,7 +591,8 @@ class Windows(Generic[B]):
 
     def _open_iterator(self, start: int) -> None:
         data = self._source.of(self._epoch)
-        self._keeps, self._unsized = stateful(data), length_of(data) is None
+        self._keeps = stateful(data)
+        self._unsized = length_of(data) is None
         gens = generators_of(data)
         set_epoch(data, self._epoch)
         resume, self._resume = self._resume, None
@@ -566,10 +601,12 @@ class Windows(Generic[B]):
         if resume is not None and resume.get("loader") is not None:  # its own position
             data.load_state_dict(resume["loader"])
             if resume["exhausted"]:  # the epoch's iterator had ended: a new one is the next's
-                self._it, self._exhausted = iter(()), True
+                self._it = iter(())
+                self._exhausted = True
                 return
             reread, skip = resume["reread"], resume["skip"]
-            self._read, self._win_start = self._pos - skip, start
+            self._read = self._pos - skip
+            self._win_start = start
             with under_rng(rng_states()):  # iter() draws a seed the saved run drew earlier
                 self._it = iter(data)
             with under_rng(resume["window_rng"]):  # the window's start, if read again
@@ -779,16 +816,23 @@ class Windows(Generic[B]):
                 f"{'does not' if sd['loader'] is not None else 'does'}; resume with data of "
                 f"the same kind."
             )
-        self._epoch, self._pos = sd["epoch"], sd["micro_batch"]
-        self._window, self._in_window = sd["window"], sd["in_window"]
-        self._started, self._closed = sd["started"], sd["closed"]
+        self._epoch = sd["epoch"]
+        self._pos = sd["micro_batch"]
+        self._window = sd["window"]
+        self._in_window = sd["in_window"]
+        self._started = sd["started"]
+        self._closed = sd["closed"]
         self._epoch_window = sd["epoch_window"]
         self._rng = None if sd["rng"] is None else sd["rng"].clone()
         self._gens = [g.clone() for g in sd["generators"]]
         self._gens_now = [g.clone() for g in sd["generators_now"]]
         self._fresh = sd["fresh"]
-        self._it, self._exhausted, self._current = None, False, None
+        self._it = None
+        self._exhausted = False
+        self._current = None
         self._buffer.clear()
-        self._head, self._taken = [], sd["in_window"]
-        self._agreed = self._snapshot = None
+        self._head = []
+        self._taken = sd["in_window"]
+        self._agreed = None
+        self._snapshot = None
         self._resume = dict(sd)

@@ -122,7 +122,10 @@ class Agreement:
         timeout: float | None,
         what: str = "windows(data, n, sync=...)",
     ) -> None:
-        self.where, self.found, self.timeout, self.what = where, found, timeout, what
+        self.where = where
+        self.found = found
+        self.timeout = timeout
+        self.what = what
         self.comms: list[Comm] | None = None
 
     def _open(self) -> list[Comm]:
@@ -295,7 +298,10 @@ class DataWindow(Generic[B]):
     def __init__(
         self, owner: _Source[B], epoch: int, index: int, start: int, left: int, known: bool
     ) -> None:
-        self._owner, self.epoch, self.index, self.start = owner, epoch, index, start
+        self._owner = owner
+        self.epoch = epoch
+        self.index = index
+        self.start = start
         self._left = left  # at most this many micro-batches still to give
         self._len = left if known else None
         self._at = start  # the epoch's position when the window was yielded

@@ -289,8 +289,14 @@ class Step:
                 f"gradaccum.Accumulator with the Sharded (docs/sharded.md), or "
                 f"sync=gradaccum.all_reduce()."
             )
-        self.model, self.loss, self.optimizer, self.scheduler = model, loss, optimizer, scheduler
-        self.clip, self.reduction, self.sync, self.data = clip, reduction, sync, data
+        self.model = model
+        self.loss = loss
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.clip = clip
+        self.reduction = reduction
+        self.sync = sync
+        self.data = data
         self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
         if sync is not None:
             run_token()  # the checkpoints' run token, read while every rank is surely there
@@ -549,8 +555,10 @@ class Step:
             norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
             norm = torch.linalg.vector_norm(torch.stack(norms))
         for k, p, count in zip(names, params, cast(list[float], m["used"])):
-            g = grads[k]
-            p.grad = None if count == 0 else g if g.dtype == p.dtype else g.to(p.dtype)
+            if count == 0:
+                p.grad = None  # unused in every micro-batch of every rank, as in the plain loop
+            else:
+                p.grad = grads[k].to(p.dtype)  # the same tensor when it has the dtype already
         lr = float(self.optimizer.param_groups[0]["lr"])
         loss = loss_sum if self.reduction == "sum" else loss_sum / items
         self.optimizer.step()
