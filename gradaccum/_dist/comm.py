@@ -321,8 +321,7 @@ class Comm:
         if self.check == "never":
             return None
         desc = self.lines(desc)
-        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
-        h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
+        h = digest(desc) >> 2  # fits in int64 with its negation
         tensor = torch.tensor([h, -h], dtype=torch.int64, device=device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
         return Probe(work, tensor, desc)
@@ -375,22 +374,87 @@ class Comm:
             f"{options}; nothing was {done}."
         )
 
+    def fill(self, tail: torch.Tensor, weight: Any, failed: bool) -> None:
+        """Write the boundary's tail, ``[weight, failed, *metric sums]``, into ``tail``.
+
+        No host sync: a tensor weight is copied on the device.
+        The metric sums are those of the bound window (``Window.connect``); ``tail`` has room for
+        them. Every sync's tail is written here, wherever it travels (its own all-reduce, or the
+        end of the last gradient bucket); [`read()`][gradaccum.sync.Comm.read] reads it back.
+        """
+        m = _metrics.width(self.window.spec) if self.window is not None else 0
+        fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
+
+    def read(self, summed: list[float], failed: bool, world: int | None = None) -> float:
+        """Read a tail summed over the ranks: set the window's ``totals``; return the total weight.
+
+        Raises as [`settle()`][gradaccum.sync.Comm.settle] does (another rank failed, or a mean
+        with nothing to divide by). ``world``: the ranks the tail was summed over (the group's
+        by default; a hybrid sync's tail is summed over two groups).
+        """
+        self.keep_totals(summed)
+        world = self.world if world is None else world
+        return settle(self.where, world, self.rank, summed, self.spec_reduction(), failed)
+
+    def spec_reduction(self) -> str:
+        """The bound window's reduction (``"sum"`` without a window: no mean to check)."""
+        return self.window.spec.reduction if self.window is not None else "sum"
+
     def exchange(
         self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
     ) -> list[float]:
         """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums.
 
         Bound to a window (``Window.connect``), the window's metric sums travel in the same
-        all-reduce, and their totals over the ranks go to ``window.totals``.
+        all-reduce (between ``failed`` and ``extra``), and their totals over the ranks go to
+        ``window.totals``.
         """
         m = _metrics.width(self.window.spec) if self.window is not None else 0
         tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
-        fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
+        self.fill(tail, weight, failed)
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
         out = list(tail.tolist())
-        if self.window is not None:
-            self.window.totals = (out[0], out[TAIL : TAIL + m])
+        self.keep_totals(out)
         return out[:TAIL] + out[TAIL + m :]
+
+    def keep_totals(self, summed: list[float]) -> None:
+        """Give the bound window its ``totals`` from a summed tail (weight, then metric sums)."""
+        if self.window is not None:
+            m = _metrics.width(self.window.spec)
+            self.window.totals = (summed[0], summed[TAIL : TAIL + m])
+
+    def boundary(
+        self, device: torch.device, weight: Any, failed: bool, desc: tuple[str, ...], subject: str
+    ) -> float | None:
+        """The boundary's tail with the fingerprint in it: one all-reduce; the total weight.
+
+        All-reduces ``[weight, failed, *metric sums, h, h**2]`` (float64): every rank has the same
+        20-bit hash ``h`` of the window (its index, metric names and ``desc``) exactly when
+        ``world * sum(h**2) == sum(h)**2`` (exact in float64). On a mismatch the ranks compare
+        their descriptions ([`compare()`][gradaccum.sync.Comm.compare]) and raise
+        [`GradAccumError`][gradaccum.GradAccumError] on every rank, before any gradient is sent.
+        ``check="never"`` leaves the hash out. Returns ``None`` for a failed rank (its flag told
+        the others); raises where another rank failed, or a mean has nothing to divide by.
+        """
+        hashed = self.check != "never"
+        lines = self.lines(desc)
+        h = float(tail_hash(lines)) if hashed else 0.0
+        tail = self.exchange(device, weight, failed, (h, h * h) if hashed else ())
+        if failed:
+            return None
+        if tail[1]:
+            self.settle(tail, self.spec_reduction())  # raises: another rank failed
+        if hashed and (self.check == "full" or self.world * tail[3] != tail[2] * tail[2]):
+            self.compare(lines, subject)  # every rank is here: raises naming the difference
+            if self.world * tail[3] != tail[2] * tail[2]:
+                mark_broken(self.group)
+                raise GradAccumError(
+                    f"{self.where}: the ranks disagree on the {subject} (their params' key "
+                    f"paths, shapes or dtypes, the reduction, n, or the reduction function "
+                    f"differ); nothing was reduced. Every rank must pass params of the same tree "
+                    f"and the same reduction; gradaccum.all_reduce() names the difference."
+                )
+        return settle(self.where, self.world, self.rank, tail[:TAIL], self.spec_reduction())
 
     def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
         """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.
@@ -399,6 +463,26 @@ class Comm:
         window (this one did not), and ``ValueError`` when a mean has nothing to divide by.
         """
         return settle(self.where, self.world, self.rank, tail, reduction, failed)
+
+
+def digest(lines: tuple[str, ...]) -> int:
+    """The 64-bit hash of a fingerprint's description (one line per item): both carriers'."""
+    h = hashlib.blake2b("\n".join(lines).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def tail_hash(lines: tuple[str, ...]) -> int:
+    """The 20-bit hash a boundary tail carries: ``lines`` after the window's index, plus it.
+
+    Consecutive windows never share one (the index is added, not hashed), and ``h**2`` summed
+    over the ranks stays exact in float64.
+    """
+    index = _window_of(lines)
+    if index is None:
+        return digest(lines) % 2**20 + 1
+    number = int(index.split()[0])
+    rest = (index.removeprefix(str(number)), *lines[1:])  # the epoch stays hashed
+    return (digest(rest) + number) % 2**20 + 1
 
 
 def settle(
