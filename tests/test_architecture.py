@@ -262,6 +262,29 @@ def test_core_knows_no_specific_sync() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_no_module_outside_the_syncs_sniffs_a_sync() -> None:
+    """The loop and the core ask the ``Sync`` protocol (``sync.timeout``, ``sync.data_group()``,
+    ``sync.shards``), never ``hasattr(sync, ...)`` or ``getattr(sync, ...)``."""
+    problems = []
+    for m in sorted(GRAPH):
+        if home(m) in SYNC_PACKAGES:
+            continue
+        path = PACKAGE / f"{m.replace('.', '/')}.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"hasattr", "getattr"}
+                and node.args
+                and ast.unparse(node.args[0]).lower().endswith("sync")
+            ):
+                problems.append(
+                    f"gradaccum/{m}.py:{node.lineno}: `{ast.unparse(node)}` sniffs a sync; add "
+                    f"what is needed to gradaccum.sync.Sync (documented, with a default) and ask it"
+                )
+    assert not problems, "\n".join(problems)
+
+
 # -- the checker checks what it should: a small package with each kind of import -----------------
 
 

@@ -188,7 +188,11 @@ class Window:
         self.sums = sums
 
     def tree(self, like: Any = None) -> Any:
-        """The running sums as a tree (with ``like``'s structure, if given), or None before any."""
+        """What ``AccumState.sums`` holds: the running sums as a tree, or None before any.
+
+        With ``like``, the tree has ``like``'s structure. A window without a full tree of sums
+        returns what its sync's [`window_of()`][gradaccum.sync.Sync.window_of] turns back into it.
+        """
         if self.sums is None:
             return None
         spec = self.layout.spec if like is None else spec_of(self.layout, like)
@@ -470,6 +474,18 @@ class Sync:
     def subject(self) -> str:
         """What a fingerprint mismatch says the ranks disagree on."""
         return f"gradients to reduce with {self.name}"
+
+    def window_of(self, sums: Any) -> Window | None:
+        """The live window that ``sums`` (an ``AccumState.sums``) stands for, or ``None``.
+
+        ``None`` (the default): ``sums`` is the running sums as a tree
+        ([`Window.tree()`][gradaccum.sync.Window.tree]), and the core opens a window for the
+        next ``Accumulator.add`` and gives it them
+        ([`restore()`][gradaccum.sync.Window.restore]). A sync whose window has no such tree
+        (``ReduceScatter``: shards and collectives in flight) keeps the window itself there,
+        and gives it back here.
+        """
+        return None
 
     def data_group(self) -> Any:
         """The process group (or mesh) the data is split over: ``group`` by default.

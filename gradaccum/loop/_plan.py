@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from .._core.protocol import check_sync
 from .._dist.comm import Comm, check_timeout
 from .._dist.mesh import Axis, axes, check_group
 from .._errors import GradAccumError, describe
@@ -102,11 +103,8 @@ def data_axes(where: str, sync: Any, group: Any) -> tuple[Axis, ...] | None:
     if group is None and sync is None:
         return None
     if group is None:
-        sharded = getattr(sync, "sharded", None)
-        if sharded is not None and hasattr(sharded, "axis"):  # a reduce-scatter sync
-            group = sharded.mesh if sharded.mesh is not None else sharded.group
-        else:
-            group = getattr(sync, "group", None)  # all_reduce, custom reductions; else the world
+        check_sync(where, sync)
+        group = sync.data_group()  # its group (a reduce-scatter sync: the shards' mesh or group)
     check_group(where, group, "pass the process group (or mesh) the data is split over")
     shard, replicate = axes(where, group)
     return (shard,) if replicate is None else (shard, replicate)

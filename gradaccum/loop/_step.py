@@ -282,7 +282,7 @@ class Step:
                 f"leave out sync= here (the step then takes data's)."
             )
         check_sync(where, sync)
-        if hasattr(sync, "sharded"):
+        if sync is not None and sync.shards:
             raise ValueError(
                 f"{where}: sync is a reduce_scatter, whose boundary returns this rank's "
                 f"gradient shards, which Step cannot write into the module's .grad; use "

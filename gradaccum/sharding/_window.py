@@ -16,7 +16,7 @@ from .. import _metrics, _reduce
 from .._core.protocol import Window, WindowSpec
 from .._dist.buckets import TAIL
 from .._dist.comm import bucket_what
-from .._errors import is_broken
+from .._errors import GradAccumError, describe, is_broken
 
 __all__ = ["MAX_IN_FLIGHT", "ScatterWindow"]
 
@@ -102,9 +102,52 @@ class ScatterWindow(Window):
         self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
         self.bound_works: list[tuple[Any, str, int]] = []  # launched, not yet waited on
 
+    # What state_dict() saves of a state with no window open.
+    NOTHING_SAVED: dict[str, Any] = {"steps": 0, "full": None, "out": None}
+
     def tree(self, like: Any = None) -> Any:
-        """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists)."""
+        """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists).
+
+        ``ReduceScatter.window_of`` gives it back to the core at the next ``add``.
+        """
         return self
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint of the window holds (copies): its micro-steps, buckets and shards."""
+        return {
+            "steps": self.steps,
+            "full": [None if f is None else f.clone() for f in self.full],
+            "out": [o.clone() for o in self.out],
+        }
+
+    def load(self, sd: dict[str, Any], fix: str) -> None:
+        """Take what ``saved()`` returned (in a state dict ``sd``), checked first.
+
+        Raises ``GradAccumError`` naming the first buffer of another shape or dtype; a fresh
+        window is left as it was by an error (``fix``: how the message ends).
+        """
+        where = self.where
+        saved = list(sd["full"]) + list(sd["out"])
+        if len(saved) != len(self.full) + len(self.out):
+            raise GradAccumError(
+                f"{where}: the state holds {len(sd['full'])} bucket and {len(sd['out'])} shard "
+                f"buffers, but this window has {len(self.full)} and {len(self.out)}{fix}"
+            )
+        mine: list[torch.Tensor | None] = [*self.full, *self.out]
+        for k, (t, f) in enumerate(zip(saved, mine)):
+            if (t is None) != (f is None) or (
+                f is not None
+                and (not isinstance(t, torch.Tensor) or t.shape != f.shape or t.dtype != f.dtype)
+            ):
+                raise GradAccumError(
+                    f"{where}: saved buffer {k} is {describe(t)}, expected "
+                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}{fix}"
+                )
+        with torch.no_grad():
+            for t, f in zip(saved, mine):
+                if f is not None:
+                    f.copy_(t)
+        self.steps = sd["steps"]
 
     def streams(self, i: int) -> bool:
         """``every`` leaves hand their gradient over each micro-step."""
