@@ -19,7 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gradaccum"
 # module in it). A module may import modules of its own layer (without a cycle) or of the layers
 # below it, never above. Every module of gradaccum/ is in exactly one layer.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"_errors", "_tree", "_split", "_reduce", "_layout", "_autograd", "_metrics"}),
+    (
+        "leaves",
+        {"_errors", "_checks", "_tree", "_split", "_reduce", "_layout", "_autograd", "_metrics"},
+    ),
     ("transport", {"_dist"}),
     ("core", {"_core"}),
     ("syncs", {"sync", "sharding"}),

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _metrics, _reduce, _tree
+from .._dist.broken import is_broken
 from .._dist.buckets import make_plan
 from .._dist.comm import Comm, settle
-from .._errors import describe, is_broken
+from .._errors import describe
 from .._layout import Layout, make_layout, spec_of
 from . import checkpoint_format
 from .state import AccumState

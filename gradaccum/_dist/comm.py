@@ -28,28 +28,25 @@ import re
 import weakref
 from collections.abc import Iterator
 from itertools import zip_longest
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from .. import _metrics
-from .._errors import GradAccumError, describe, mark_broken, misaligned
+from .._errors import GradAccumError, misaligned
+from .broken import mark_broken
 from .buckets import TAIL
 from .mesh import Axis, axis
 from .record import record
 
 __all__ = [
-    "Check",
     "Comm",
     "Probe",
     "bucket_what",
-    "check_options",
-    "check_timeout",
     "fill_tail",
     "in_flight",
-    "positive",
     "settle",
 ]
 
@@ -90,37 +87,6 @@ def in_flight(group: Any) -> list[Any]:
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
 WINDOW = "window index "  # the first line of a window's description: the window's index
-Check = Literal["fingerprint", "full", "never"]
-CHECKS = ("fingerprint", "full", "never")
-
-
-def check_options(where: str, check: object, timeout: object, overlap: object = True) -> None:
-    """Validate the options every sync shares: ``check``, ``timeout``, ``overlap``."""
-    if not isinstance(check, str) or check not in CHECKS:
-        raise ValueError(
-            f"{where}: check must be one of {', '.join(map(repr, CHECKS))}, got "
-            f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
-            f"trees agree in every window), 'full' (a debug mode) or 'never'."
-        )
-    check_timeout(where, timeout)
-    if not isinstance(overlap, bool):
-        raise TypeError(
-            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
-        )
-
-
-def check_timeout(where: str, timeout: object) -> None:
-    """Validate ``timeout``: None, or a positive, finite number of seconds."""
-    if timeout is not None and not positive(timeout):
-        raise ValueError(
-            f"{where}: timeout must be None or a positive, finite number of seconds, got "
-            f"{describe(timeout)}; pass e.g. timeout=60."
-        )
-
-
-def positive(x: object) -> bool:
-    """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
 
 
 class Probe(NamedTuple):

@@ -13,8 +13,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from .._checks import check_timeout
 from .._core.protocol import check_sync
-from .._dist.comm import Comm, check_timeout
+from .._dist.comm import Comm
 from .._dist.mesh import Axis, axes, check_group
 from .._errors import GradAccumError, describe
 from .._layout import check_n

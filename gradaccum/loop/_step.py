@@ -27,10 +27,10 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .. import _metrics, _reduce, _tree
+from .._checks import positive
 from .._core.accumulator import Accumulator
 from .._core.protocol import check_sync
 from .._core.state import AccumState
-from .._dist.comm import positive
 from .._errors import GradAccumError, describe
 from ..boundary import clip_by_global_norm
 from ._data import Windows

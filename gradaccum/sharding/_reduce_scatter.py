@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from .._checks import Check, check_options
 from .._core.checkpoint_format import check_counters, check_meta, check_progress
 from .._core.protocol import Sync, Window, WindowSpec
 from .._core.state import AccumState
 from .._dist.buckets import Bucket
-from .._dist.comm import Check, check_options
 from .._errors import GradAccumError, describe
 from .._layout import Layout, make_layout, with_accum
 from .._metrics import check_saved

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _tree
+from .._checks import positive
 from .._core.checkpoint_format import check_like, check_meta
-from .._dist.comm import Comm, bucket_what, positive
+from .._dist.comm import Comm, bucket_what
 from .._dist.mesh import Axis, axes, check_group
 from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout

@@ -14,9 +14,10 @@ import torch
 
 from .. import _metrics, _reduce
 from .._core.protocol import Window, WindowSpec
+from .._dist.broken import is_broken
 from .._dist.buckets import TAIL
 from .._dist.comm import bucket_what
-from .._errors import GradAccumError, describe, is_broken
+from .._errors import GradAccumError, describe
 
 __all__ = ["MAX_IN_FLIGHT", "ScatterWindow"]
 

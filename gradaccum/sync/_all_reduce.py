@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from .. import _metrics, _tree
+from .._checks import Check, check_options, positive
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
-from .._dist.comm import Check, Probe, bucket_what, check_options, positive
+from .._dist.comm import Probe, bucket_what
 from .._dist.mesh import axis, check_group
 from .._errors import describe, is_mesh
 from .._layout import make_layout

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from .. import _tree
+from .._checks import check_timeout
 from .._core.protocol import Sync, WindowSpec
-from .._dist.comm import Comm, check_timeout
+from .._dist.comm import Comm
 from .._dist.mesh import axis
 from .._errors import describe
 
