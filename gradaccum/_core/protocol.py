@@ -128,19 +128,13 @@ class Window:
         self.spec, self.layout, self.state = spec, spec.layout, spec.state
         self.where = spec.where
         self.sync = sync  # None: the window of one process ([`Local`][gradaccum.sync.Local])
+        # One process (no sync, the base finish), mean: the fast path may scale each backward by
+        # its rows / the window's rows, so the boundary has nothing left to divide.
+        self.prescale = sync is None and type(self).finish is Window.finish
         self.sums: list[torch.Tensor] | None = None
         self.metrics: list[torch.Tensor] = []
         self.totals: tuple[Any, list[Any]] | None = None
-        self.comms: list[Comm] = []  # what connect() made: abort() checks their groups
-
-    @property
-    def prescale(self) -> bool:
-        """Whether the fast path may scale each backward by its rows / the window's rows (mean).
-
-        True for the window of one process (no sync, the base ``finish``): its boundary then has
-        nothing left to divide.
-        """
-        return self.sync is None and type(self).finish is Window.finish
+        self.comms: tuple[Comm, ...] = ()  # what connect() made: abort() checks their groups
 
     def at(self, where: str) -> None:
         """Errors from here on name ``where`` (the call now driving the window)."""
@@ -164,7 +158,7 @@ class Window:
         ``totals``. The arguments are those of ``Comm``.
         """
         comm = Comm(self.where, group, timeout, check, what, window=self)
-        self.comms.append(comm)
+        self.comms += (comm,)
         return comm
 
     # -- where the running sums live ------------------------------------------------------------
@@ -285,8 +279,24 @@ class Window:
         and ``reduce`` gets ``comm=None``. A window of one process (no sync) divides its sums by
         ``weight``.
         """
-        if self.sync is None:
-            return self._alone(weight, failed)
+        if self.sync is None:  # one process: the sums divided by the window's own weight
+            where, reduction = self.where, self.spec.reduction
+            if failed:  # nobody to tell
+                return None
+            if self.sums is None:
+                raise ValueError(
+                    f"{where}: the window holds no micro-batch, so there is no gradient to return; "
+                    f"call add() at least once before finalize()."
+                )
+            if reduction == "count" and not isinstance(weight, torch.Tensor) and weight <= 0:
+                raise ValueError(
+                    f"{where}: the window's counts add up to {weight}, so there is no item mean to "
+                    f"divide by; skip windows with no items (e.g. all padding), or use "
+                    f"reduction='sum'."
+                )
+            if self.totals is None:  # one process: the local sums are the totals
+                self.totals = (weight, list(self.metrics))
+            return self.normalised(weight)
         sync, spec, lay = self.sync, self.spec, self.layout
         comm = None
         if sync.group is not None or (dist.is_available() and dist.is_initialized()):
@@ -308,26 +318,6 @@ class Window:
             _reduce.normalise(spec.reduction, sums, total)  # type: ignore[arg-type]
             summed, self.state = sync.reduce(spec, sums, self.state, comm)
             return _tree.unflatten(lay.spec, [g.to(d) for g, d in zip(summed, lay.dtypes)])
-
-    def _alone(self, weight: _reduce.Weight, failed: bool) -> Any:
-        """The boundary of one process: the sums divided by the window's own ``weight``."""
-        where, reduction = self.where, self.spec.reduction
-        if failed:  # nobody to tell
-            return None
-        if self.sums is None:
-            raise ValueError(
-                f"{where}: the window holds no micro-batch, so there is no gradient to return; "
-                f"call add() at least once before finalize()."
-            )
-        if reduction == "count" and not isinstance(weight, torch.Tensor) and weight <= 0:
-            raise ValueError(
-                f"{where}: the window's counts add up to {weight}, so there is no item mean to "
-                f"divide by; skip windows with no items (e.g. all padding), or use "
-                f"reduction='sum'."
-            )
-        if self.totals is None:  # one process: the local sums are the totals
-            self.totals = (weight, list(self.metrics))
-        return self.normalised(weight)
 
     def abort(self, weight: _reduce.Weight) -> None:
         """Join the boundary flagged as failed, so that the other ranks raise instead of waiting.
@@ -419,6 +409,7 @@ class Sync:
     timeout: float | None = None
     check: str = "fingerprint"
     shards = False
+    _kept_state: Any = None  # what state returns (load_state sets it)
 
     def open(self, spec: WindowSpec) -> Window:
         """A window for gradients of ``spec.layout``: the base ``Window``, bound to this sync.
@@ -502,11 +493,11 @@ class Sync:
         What ``reduce`` returned at the last boundary (``None`` before). An
         [`Accumulator`][gradaccum.Accumulator] keeps it in its own state instead.
         """
-        return self.__dict__.get("_gradaccum_state")
+        return self._kept_state
 
     def load_state(self, state: Any) -> None:
         """Keep ``state`` (a window's ``state`` after ``finish``) for the next window."""
-        self.__dict__["_gradaccum_state"] = state
+        self.__dict__["_kept_state"] = state  # (a frozen dataclass's too)
 
     def layout(
         self, where: str, params: Any, accum_dtype: torch.dtype | None, argnums: Any = 0

@@ -45,7 +45,6 @@ __all__ = [
     "Comm",
     "Probe",
     "bucket_what",
-    "fill_tail",
     "in_flight",
     "settle",
 ]
@@ -343,13 +342,25 @@ class Comm:
     def fill(self, tail: torch.Tensor, weight: Any, failed: bool) -> None:
         """Write the boundary's tail, ``[weight, failed, *metric sums]``, into ``tail``.
 
-        No host sync: a tensor weight is copied on the device.
-        The metric sums are those of the bound window (``Window.connect``); ``tail`` has room for
-        them. Every sync's tail is written here, wherever it travels (its own all-reduce, or the
-        end of the last gradient bucket); [`read()`][gradaccum.sync.Comm.read] reads it back.
+        No host sync: a tensor weight is copied on the device. The metric sums are those of the
+        bound window (``Window.connect``; zeros for those not given: a failed rank); ``tail``
+        has room for them. Every sync's tail is written here, wherever it travels (its own
+        all-reduce, or the end of the last gradient bucket);
+        [`read()`][gradaccum.sync.Comm.read] reads it back.
         """
-        m = _metrics.width(self.window.spec) if self.window is not None else 0
-        fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
+        if isinstance(weight, torch.Tensor):
+            tail[:1].copy_(weight.reshape(1))
+        else:
+            tail[0] = weight
+        tail[1] = 1.0 if failed else 0.0
+        window = self.window
+        if window is not None and window.spec.metrics:
+            m = _metrics.width(window.spec)
+            rest = tail[TAIL : TAIL + m]
+            rest.zero_()
+            if window.metrics:
+                flat = torch.cat([x.reshape(-1) for x in window.metrics])
+                rest[: len(flat)].copy_(flat)
 
     def read(self, summed: list[float], failed: bool, world: int | None = None) -> float:
         """Read a tail summed over the ranks: set the window's ``totals``; return the total weight.
@@ -358,13 +369,14 @@ class Comm:
         with nothing to divide by). ``world``: the ranks the tail was summed over (the group's
         by default; a hybrid sync's tail is summed over two groups).
         """
-        self.keep_totals(summed)
+        window = self.window
+        reduction = "sum"  # without a window: no mean to check
+        if window is not None:
+            spec = window.spec
+            reduction, m = spec.reduction, _metrics.width(spec) if spec.metrics else 0
+            window.totals = (summed[0], summed[TAIL : TAIL + m])
         world = self.world if world is None else world
-        return settle(self.where, world, self.rank, summed, self.spec_reduction(), failed)
-
-    def spec_reduction(self) -> str:
-        """The bound window's reduction (``"sum"`` without a window: no mean to check)."""
-        return self.window.spec.reduction if self.window is not None else "sum"
+        return settle(self.where, world, self.rank, summed, reduction, failed)
 
     def exchange(
         self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
@@ -375,19 +387,15 @@ class Comm:
         all-reduce (between ``failed`` and ``extra``), and their totals over the ranks go to
         ``window.totals``.
         """
-        m = _metrics.width(self.window.spec) if self.window is not None else 0
+        window = self.window
+        m = _metrics.width(window.spec) if window is not None and window.spec.metrics else 0
         tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
         self.fill(tail, weight, failed)
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
         out = list(tail.tolist())
-        self.keep_totals(out)
+        if window is not None:
+            window.totals = (out[0], out[TAIL : TAIL + m])
         return out[:TAIL] + out[TAIL + m :]
-
-    def keep_totals(self, summed: list[float]) -> None:
-        """Give the bound window its ``totals`` from a summed tail (weight, then metric sums)."""
-        if self.window is not None:
-            m = _metrics.width(self.window.spec)
-            self.window.totals = (summed[0], summed[TAIL : TAIL + m])
 
     def boundary(
         self, device: torch.device, weight: Any, failed: bool, desc: tuple[str, ...], subject: str
@@ -409,7 +417,7 @@ class Comm:
         if failed:
             return None
         if tail[1]:
-            self.settle(tail, self.spec_reduction())  # raises: another rank failed
+            self.settle(tail, "sum")  # raises: another rank failed
         if hashed and (self.check == "full" or self.world * tail[3] != tail[2] * tail[2]):
             self.compare(lines, subject)  # every rank is here: raises naming the difference
             if self.world * tail[3] != tail[2] * tail[2]:
@@ -420,7 +428,8 @@ class Comm:
                     f"differ); nothing was reduced. Every rank must pass params of the same tree "
                     f"and the same reduction; gradaccum.all_reduce() names the difference."
                 )
-        return settle(self.where, self.world, self.rank, tail[:TAIL], self.spec_reduction())
+        reduction = self.window.spec.reduction if self.window is not None else "sum"
+        return settle(self.where, self.world, self.rank, tail[:TAIL], reduction)
 
     def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
         """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.
@@ -478,24 +487,6 @@ def bucket_what(kind: str, buckets: Any, k: int, noun: str = "bucket") -> str:
         f"the {kind} of {noun} {k + 1}/{len(buckets)} ({b.nbytes} bytes of "
         f"{str(b.dtype).removeprefix('torch.')})"
     )
-
-
-def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) -> None:
-    """Write ``[weight, failed, *metrics]`` into ``tail`` (no host sync); zeros for the rest.
-
-    ``metrics``: tensors (0-dim, or 1-D: their elements in turn).
-    """
-    if isinstance(weight, torch.Tensor):
-        tail[:1].copy_(weight.reshape(1))
-    else:
-        tail[0] = weight
-    tail[1] = 1.0 if failed else 0.0
-    if len(tail) > TAIL:  # the window's metric sums (zeros for those not given: a failed rank)
-        rest = tail[TAIL:]
-        rest.zero_()
-        if metrics:
-            flat = torch.cat([m.reshape(-1) for m in metrics])
-            rest[: len(flat)].copy_(flat)
 
 
 def _window_of(desc: Any) -> str | None:
