@@ -85,9 +85,32 @@ class WindowSpec:
 class Window:
     """One accumulation window: the running sums of its gradients, and its boundary.
 
-    The base class keeps plain running sums in one process and divides them by the window's
-    weight at [`finish()`][gradaccum.sync.Window.finish]. Subclass it to write a sync; see
-    [`Sync`][gradaccum.sync.Sync] for an example.
+    The base class keeps plain running sums. Its [`finish()`][gradaccum.sync.Window.finish] is
+    the boundary: in one process (no sync) it divides them by the window's weight; for a sync of
+    the simple tier it does the boundary's tail and calls the sync's
+    [`reduce()`][gradaccum.sync.Sync.reduce], so such a sync never sees a ``Window``. An
+    overlapping sync (the advanced tier) subclasses it, made with ``Window(spec, sync)``, and
+    overrides the hooks it needs (``docs/architecture.md``, "The protocol", has the table).
+
+    The core calls the hooks in this order in each window:
+
+    1. ``begin(count)``: a call brings ``count`` micro-batches.
+    2. For each micro-batch, ``params(step, given)`` (the params of its forward), then its
+       gradients, by one of two paths:
+        - generic (the step function returns a gradient tree): ``add(grads, alpha)``;
+        - fast (backward into the window): first ``streams(i)`` for each leaf and
+          ``prepare(zero)`` (which asks ``storage``); during each backward, ``adopt(i, g)``
+          for a leaf's first gradient of the window and ``grad(i, g, alpha)`` for a leaf that
+          does not accumulate in place; before the last backward ``last()``, then
+          ``seal(weight)`` (the weight is final), and with ``overlap``, ``ready(i)`` during it
+          as each leaf's sum becomes final.
+
+       Then ``step()``.
+    3. Between the calls of an ``Accumulator``: ``tree(like)`` (what ``AccumState.sums``
+       holds), and at the next call ``Sync.window_of(sums)`` or a new window given the sums
+       by ``restore(sums)``; ``at(where)`` when another call drives a live window.
+    4. The boundary, once: ``finish(weight)`` (``metrics`` set before), or ``abort(weight)``
+       after an error on this rank (the same boundary, flagged as failed).
 
     Attributes:
         spec: The [`WindowSpec`][gradaccum.sync.WindowSpec] it was opened with.

@@ -33,7 +33,7 @@ class CustomReduce(Sync):
     [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as
     ``sync=``. Its fields are the arguments of [`custom_reduce()`][gradaccum.custom_reduce],
     and ``name``, how the reduction calls itself in messages and reprs. It is a sync of the
-    simple tier: its [`reduce()`][gradaccum.sync.CustomReduce.reduce] calls ``fn``; the base
+    simple tier: its [`reduce()`][gradaccum.sync.Sync.reduce] calls ``fn``; the base
     class does the boundary's tail, the failure path and the state.
 
     Examples:
