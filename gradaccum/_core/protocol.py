@@ -1,9 +1,13 @@
 """The sync protocol: how a window's gradients are kept, and combined across processes.
 
 A sync ([`Sync`][gradaccum.sync.Sync]) opens one [`Window`][gradaccum.sync.Window] per
-accumulation window; the core drives it through its hooks (``docs/architecture.md`` lists who
-calls each one, and when) and never looks at which sync it is. The base ``Window`` is the window
-of one process; a sync overrides what it needs.
+accumulation window; the core drives it through its hooks (the ``Window`` docstring gives their
+order, ``docs/architecture.md`` the table of who calls each one) and never looks at which sync
+it is. Two tiers: a new sync implements ``Sync.reduce`` (and optionally ``Sync.describe``), and
+the base ``Window`` does its boundary (the tail with the fingerprint, the empty window, the
+division, the failure path, the state); an overlapping sync (``AllReduce``, ``ReduceScatter``)
+also returns a ``Window`` subclass that overrides the hooks it needs. Without a sync the base
+``Window`` is the window of one process.
 """
 
 from __future__ import annotations
@@ -127,9 +131,18 @@ class Window:
             spec alone, the same on every rank.
         totals: Set at the boundary: ``(weight, metrics)`` summed over the ranks (a number or
             0-dim tensor, and a list in ``spec.metrics`` order: flat numbers, 1-D metrics
-            element by element, or one tensor per metric). ``Comm.exchange`` of a
-            [`connect()`][gradaccum.sync.Window.connect]-ed ``Comm`` sets it, and so does the
-            base ``finish`` (one process) when it is still ``None``.
+            element by element, or one tensor per metric). The tail's reader (``Comm.read``,
+            ``exchange`` or ``boundary``) of a [`connect()`][gradaccum.sync.Window.connect]-ed
+            ``Comm`` sets it, and so does the base ``finish`` in one process.
+        sync: The [`Sync`][gradaccum.sync.Sync] that opened it (``Window(spec, sync)``), or
+            ``None``: the window of one process.
+        prescale: Set by the base class, never by a sync: the window of one process, whose
+            fast path under ``mean`` scales each backward by its share of the rows (the
+            boundary then has nothing to divide).
+        overlap: Whether the core calls ``ready(i)`` during the last backward (an overlapping
+            sync sets it).
+        comms: The ``Comm`` objects ``connect()`` made; ``abort`` joins no boundary where a
+            collective of their groups failed.
 
     Examples:
         >>> import torch, gradaccum

@@ -137,6 +137,8 @@ class Comm:
         (0, 1, tensor([1., 1., 1.]))
         >>> comm.settle(comm.exchange(torch.device("cpu"), 5, False), "mean")
         5.0
+        >>> comm.boundary(torch.device("cpu"), 5, False, ("my tree",), "gradients")  # + fingerprint
+        5.0
         >>> dist.destroy_process_group()
     """
 
