@@ -58,7 +58,7 @@ class CustomReduce(Sync):
         it with your checkpoint and restore it with
         [`load_state()`][gradaccum.sync.CustomReduce.load_state].
         """
-        return Sync.state.fget(self)  # type: ignore[attr-defined]
+        return self._kept_state
 
     def load_state(self, state: Any) -> None:
         """Restore the state that [`state`][gradaccum.sync.CustomReduce.state] returned (resume)."""
