@@ -103,8 +103,9 @@ def data_axes(where: str, sync: Any, group: Any) -> tuple[Axis, ...] | None:
     """The groups the data is split over: ``group``, else the sync's, else ``None`` (local)."""
     if group is None and sync is None:
         return None
-    if group is None:
+    if sync is not None:
         check_sync(where, sync)
+    if group is None:
         group = sync.data_group()  # its group (a reduce-scatter sync: the shards' mesh or group)
     check_group(where, group, "pass the process group (or mesh) the data is split over")
     shard, replicate = axes(where, group)
