@@ -1,17 +1,20 @@
 """A new sync kind as one module: sign compression with error feedback (signSGD/EF style).
 
 Written from the public protocol alone, with no change to gradaccum: a subclass of
-``gradaccum.sync.Sync`` and of ``gradaccum.sync.Window``, every collective through the
-``gradaccum.sync.Comm`` of ``Window.connect`` (so ``record_collectives`` counts it, a failure names
-the call and rank, the fingerprint covers the window's index and ``Accumulator`` metrics ride the
-weight's all-reduce). At the boundary each rank agrees on the tree and window
-(``comm.probe``/``agree``), sums weight and failure flag over the ranks
-(``comm.exchange``/``settle``), divides its sums by the global weight
-(``self.normalised``), adds the residual that compression dropped last window, and all-gathers
-each leaf as a float64 scale (mean |g|) and int8 signs. What is lost is the next residual, kept in
-``Sync.state`` (the core carries it). ``--no-compress`` all-reduces the exact sums instead.
-``--check`` asserts that the exact sync gives the whole-batch gradient in float64 and that the
-compressed training halves the loss; exit status 1 otherwise.
+``gradaccum.sync.Sync`` that implements 3 methods (``__init__``, ``describe`` and ``reduce``, with
+a helper for the compression);
+what is not about sign compression is the base class's. At each boundary the base class
+all-reduces the window's tail (the ranks agree on the window's index, the gradient tree and
+``describe()``'s lines, sum the weight, learn whether a rank failed, total ``Accumulator``
+metrics), divides this rank's running sums by the global weight (an empty window's are zeros) and
+calls ``reduce`` with the result, this rank's *share*. ``reduce`` adds the residual that
+compression dropped last window and all-gathers each leaf as a float64 scale (mean |g|) and int8
+signs, through the window's ``gradaccum.sync.Comm`` (so ``record_collectives`` counts it, and a
+failure names the call and rank). What is lost is the next residual: ``reduce`` returns it as the
+sync's state, which the base class carries to the next window. A rank that raises joins the
+boundary flagged as failed, so the others raise too: nothing here. ``--no-compress`` all-reduces
+the exact shares instead. ``--check`` asserts that the exact sync gives the whole-batch gradient in
+float64 and that the compressed training halves the loss; exit status 1 otherwise.
 
     python examples/sign_sync.py --check
     torchrun --standalone --nproc_per_node 2 examples/sign_sync.py --check
@@ -27,67 +30,46 @@ import torch
 import torch.distributed as dist
 
 import gradaccum
-from gradaccum.sync import Sync, Window, record_collectives
+from gradaccum.sync import Sync, record_collectives
 
 
 class SignSync(Sync):
-    """Scaled-sign compression with error feedback; ``compress=False`` all-reduces exactly."""
+    """Scaled-sign compression with error feedback; ``compress=False`` all-reduces exactly.
+
+    It implements 3 methods of the protocol: ``__init__``, ``describe`` and ``reduce`` (``signs``
+    is a helper of ``reduce``).
+    """
 
     def __init__(self, group=None, timeout=60.0, compress=True):
         self.group, self.timeout, self.compress = group, timeout, compress
-        self.residual = None  # per leaf: what compression dropped in the last window
 
-    @property
-    def state(self):
-        return self.residual
+    def describe(self):
+        """The ranks must agree on whether they compress (it changes the collectives)."""
+        return (f"compress={self.compress}",)
 
-    def load_state(self, state):
-        self.residual = state
+    def reduce(self, spec, shares, residual, comm):
+        """Send scale * sign(share + residual) per leaf; keep the rest as the next residual."""
+        numels = [s.numel() for s in shares]
+        if self.compress:
+            flat, residual = self.signs(shares, residual, numels, comm)
+        else:
+            flat = torch.cat([s.reshape(-1) for s in shares])
+            comm.wait(comm.all_reduce(flat, "the all_reduce", "gradients"), "the all_reduce")
+        return [x.view_as(s) for x, s in zip(flat.split(numels), shares)], residual
 
-    def open(self, spec):
-        window = SignWindow(spec)
-        window.sync = self
-        return window
-
-
-class SignWindow(Window):
-    def finish(self, weight, failed=False):
-        lay, sync, dev = self.layout, self.sync, self.layout.devices[0]
-        comm = self.connect(sync.group, sync.timeout, what="sync=SignSync()")
-        desc = [f"{p} {tuple(s)} {d}" for p, s, d in zip(lay.paths, lay.shapes, lay.dtypes)]
-        comm.agree(comm.probe((*desc, f"compress={sync.compress}"), dev))
-        total = comm.settle(comm.exchange(dev, weight, failed), self.spec.reduction, failed)
-        if failed:  # joined the boundary so that the other ranks raise; nothing to return
-            return None
-        if self.sums is None:  # an empty window joins with zero weight
-            self.sums = self.storage(zero=True)
-        self.normalised(total)  # self.sums /= total, in place: this rank's share
-        numels = [s.numel() for s in self.sums]
-        with torch.no_grad():
-            if sync.compress:
-                flat = self.signs(comm, numels, dev)
-            else:
-                flat = torch.cat([s.reshape(-1) for s in self.sums])
-                comm.wait(comm.all_reduce(flat, "the all_reduce", "gradients"), "the all_reduce")
-        self.sums = [x.view(s).to(d) for x, s, d in zip(flat.split(numels), lay.shapes, lay.dtypes)]
-        return self.tree()
-
-    def signs(self, comm, numels, dev):
-        """Send scale * sign(share + residual); keep the rest as the next residual."""
-        c = [s + r for s, r in zip(self.sums, self.state or [0] * len(numels))]
+    def signs(self, shares, residual, numels, comm):
+        """All-gather each rank's scales and signs; their sum, and what compression dropped."""
+        c = [s + r for s, r in zip(shares, residual or [0] * len(shares))]
         scales = torch.stack([x.abs().mean().double() for x in c])
         signs = torch.cat([x.sign().reshape(-1) for x in c]).to(torch.int8)
-        self.state = [x - k * x.sign() for x, k in zip(c, scales)]
+        residual = [x - k * x.sign() for x, k in zip(c, scales)]
         got = [scales.new_empty(comm.world * len(c)), signs.new_empty(comm.world * signs.numel())]
         for out, inp, w in ((got[0], scales, "scales"), (got[1], signs, "signs")):
             what = f"the {w} all_gather"
             comm.wait(comm.all_gather(out, inp, what, f"gradients ({w})"), what)
-        reps = torch.tensor(numels, device=dev)  # each rank's scale of each leaf, per element
+        reps = torch.tensor(numels, device=scales.device)  # each rank's scale, per element
         scale = got[0].view(comm.world, -1).repeat_interleave(reps, 1)
-        return (scale * got[1].view(comm.world, -1)).sum(0)
-
-    def abort(self, weight):
-        self.finish(weight, failed=True)
+        return (scale * got[1].view(comm.world, -1)).sum(0), residual
 
 
 def loss_fn(params, batch):

@@ -1,12 +1,10 @@
-"""Error types, message builders (the rules of a message: CONTRIBUTING.md), broken groups."""
+"""Error types and message builders (the rules of a message: CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["GradAccumError", "check_not_dtensor", "describe", "is_dtensor", "is_mesh", "misaligned"]
 
@@ -78,38 +76,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Groups on which a gradaccum collective failed or timed out: unusable (the messages say so), so
-# the error path does not join a boundary there (it would only wait for more timeouts). Weak: a
-# strong reference would keep the backend (and its gloo threads, maybe inside an abandoned
-# collective) alive after destroy_process_group(), until exit, where such a thread aborts.
-_BROKEN_GROUPS: list[weakref.ref[Any]] = []
-
-
-def mark_broken(group: Any) -> None:
-    """Record that a collective on ``group`` (None: the default group) failed."""
-    group = _resolve(group)
-    if group is not None and not is_broken(group):
-        _BROKEN_GROUPS[:] = [r for r in _BROKEN_GROUPS if r() is not None]
-        _BROKEN_GROUPS.append(weakref.ref(group))
-
-
-def is_broken(group: Any) -> bool:
-    """Whether a collective on ``group`` (None: the default group) has failed."""
-    group = _resolve(group)
-    return group is not None and any(r() is group for r in _BROKEN_GROUPS)
-
-
 def is_mesh(value: Any) -> bool:
     """Whether ``value`` is a ``torch.distributed`` ``DeviceMesh`` (without importing it)."""
     cls = type(value)
     return cls.__name__ == "DeviceMesh" and cls.__module__.startswith("torch.distributed")
-
-
-def _resolve(group: Any) -> Any:
-    if is_mesh(group):  # a 1-D mesh stands for its group
-        return group.get_group(0) if group.ndim == 1 else None
-    if group is not None:
-        return group
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.group.WORLD

@@ -19,7 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gradaccum"
 # module in it). A module may import modules of its own layer (without a cycle) or of the layers
 # below it, never above. Every module of gradaccum/ is in exactly one layer.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"_errors", "_tree", "_split", "_reduce", "_layout", "_autograd", "_metrics"}),
+    (
+        "leaves",
+        {"_errors", "_checks", "_tree", "_split", "_reduce", "_layout", "_autograd", "_metrics"},
+    ),
     ("transport", {"_dist"}),
     ("core", {"_core"}),
     ("syncs", {"sync", "sharding"}),
@@ -258,6 +261,29 @@ def test_core_knows_no_specific_sync() -> None:
                 problems.append(
                     f"gradaccum/{m}.py:{node.lineno}: `{ast.unparse(node)}` checks for a specific "
                     f"sync in the core; move the behaviour into that sync's Window"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_outside_the_syncs_sniffs_a_sync() -> None:
+    """The loop and the core ask the ``Sync`` protocol (``sync.timeout``, ``sync.data_group()``,
+    ``sync.shards``), never ``hasattr(sync, ...)`` or ``getattr(sync, ...)``."""
+    problems = []
+    for m in sorted(GRAPH):
+        if home(m) in SYNC_PACKAGES:
+            continue
+        path = PACKAGE / f"{m.replace('.', '/')}.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"hasattr", "getattr"}
+                and node.args
+                and ast.unparse(node.args[0]).lower().endswith("sync")
+            ):
+                problems.append(
+                    f"gradaccum/{m}.py:{node.lineno}: `{ast.unparse(node)}` sniffs a sync; add "
+                    f"what is needed to gradaccum.sync.Sync (documented, with a default) and ask it"
                 )
     assert not problems, "\n".join(problems)
 

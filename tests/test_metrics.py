@@ -494,7 +494,7 @@ def test_dcp_save_and_load_keep_the_metric_sums_of_a_window_in_progress(tmp_path
 
 
 @pytest.mark.usefixtures("world_of_one")
-def test_a_sync_written_outside_the_package_carries_the_metrics_through_connect() -> None:
+def test_a_sync_written_outside_the_package_carries_the_metrics_in_the_base_tail() -> None:
     acc = gradaccum.Accumulator(n=2, sync=sign_sync(compress=False))
     state = acc.init({"w": torch.zeros(3, dtype=F64)})
     with gradaccum.sync.record_collectives() as log:
@@ -503,8 +503,7 @@ def test_a_sync_written_outside_the_package_carries_the_metrics_through_connect(
         _, _, stats = acc.boundary(state)
     assert stats == WindowStats(0, 4.0, {"loss": 3.5})
     assert [(c.purpose, c.numel) for c in log] == [
-        ("fingerprint", 2),
-        ("weight", 3),  # [weight, failed, loss]: exchange() added the metric
+        ("weight", 5),  # [weight, failed, loss, h, h**2]: the base class's tail
         ("gradients", 3),
     ]
 

@@ -130,9 +130,10 @@ class Accumulator:
     def _window(self, where: str, state: AccumState[T], n: int, sig: Any = ()) -> Window:
         """The window ``state`` is in: the live one, or one opened (and given the sums)."""
         sums = state.sums
-        if isinstance(sums, Window):
-            sums.at(where)
-            return sums
+        live = self._sync.window_of(sums)
+        if live is not None:
+            live.at(where)
+            return live
         # Read while torch.compile traces add(), the index would recompile it every window.
         traced = torch.compiler.is_compiling()
         index, epoch = (0, 0) if traced else (state.window, state.epoch)

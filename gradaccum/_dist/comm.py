@@ -28,28 +28,24 @@ import re
 import weakref
 from collections.abc import Iterator
 from itertools import zip_longest
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from .. import _metrics
-from .._errors import GradAccumError, describe, mark_broken, misaligned
+from .._errors import GradAccumError, misaligned
+from .broken import mark_broken
 from .buckets import TAIL
 from .mesh import Axis, axis
 from .record import record
 
 __all__ = [
-    "Check",
     "Comm",
     "Probe",
     "bucket_what",
-    "check_options",
-    "check_timeout",
-    "fill_tail",
     "in_flight",
-    "positive",
     "settle",
 ]
 
@@ -90,37 +86,6 @@ def in_flight(group: Any) -> list[Any]:
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
 WINDOW = "window index "  # the first line of a window's description: the window's index
-Check = Literal["fingerprint", "full", "never"]
-CHECKS = ("fingerprint", "full", "never")
-
-
-def check_options(where: str, check: object, timeout: object, overlap: object = True) -> None:
-    """Validate the options every sync shares: ``check``, ``timeout``, ``overlap``."""
-    if not isinstance(check, str) or check not in CHECKS:
-        raise ValueError(
-            f"{where}: check must be one of {', '.join(map(repr, CHECKS))}, got "
-            f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
-            f"trees agree in every window), 'full' (a debug mode) or 'never'."
-        )
-    check_timeout(where, timeout)
-    if not isinstance(overlap, bool):
-        raise TypeError(
-            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
-        )
-
-
-def check_timeout(where: str, timeout: object) -> None:
-    """Validate ``timeout``: None, or a positive, finite number of seconds."""
-    if timeout is not None and not positive(timeout):
-        raise ValueError(
-            f"{where}: timeout must be None or a positive, finite number of seconds, got "
-            f"{describe(timeout)}; pass e.g. timeout=60."
-        )
-
-
-def positive(x: object) -> bool:
-    """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
 
 
 class Probe(NamedTuple):
@@ -171,6 +136,8 @@ class Comm:
         >>> comm.rank, comm.world, t
         (0, 1, tensor([1., 1., 1.]))
         >>> comm.settle(comm.exchange(torch.device("cpu"), 5, False), "mean")
+        5.0
+        >>> comm.boundary(torch.device("cpu"), 5, False, ("my tree",), "gradients")  # + fingerprint
         5.0
         >>> dist.destroy_process_group()
     """
@@ -321,8 +288,7 @@ class Comm:
         if self.check == "never":
             return None
         desc = self.lines(desc)
-        digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=8).digest()
-        h = int.from_bytes(digest, "little") >> 2  # fits in int64 with its negation
+        h = digest(desc) >> 2  # fits in int64 with its negation
         tensor = torch.tensor([h, -h], dtype=torch.int64, device=device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
         return Probe(work, tensor, desc)
@@ -375,22 +341,97 @@ class Comm:
             f"{options}; nothing was {done}."
         )
 
+    def fill(self, tail: torch.Tensor, weight: Any, failed: bool) -> None:
+        """Write the boundary's tail, ``[weight, failed, *metric sums]``, into ``tail``.
+
+        No host sync: a tensor weight is copied on the device. The metric sums are those of the
+        bound window (``Window.connect``; zeros for those not given: a failed rank); ``tail``
+        has room for them. Every sync's tail is written here, wherever it travels (its own
+        all-reduce, or the end of the last gradient bucket);
+        [`read()`][gradaccum.sync.Comm.read] reads it back.
+        """
+        if isinstance(weight, torch.Tensor):
+            tail[:1].copy_(weight.reshape(1))
+        else:
+            tail[0] = weight
+        tail[1] = 1.0 if failed else 0.0
+        window = self.window
+        if window is not None and window.spec.metrics:
+            m = _metrics.width(window.spec)
+            rest = tail[TAIL : TAIL + m]
+            rest.zero_()
+            if window.metrics:
+                flat = torch.cat([x.reshape(-1) for x in window.metrics])
+                rest[: len(flat)].copy_(flat)
+
+    def read(self, summed: list[float], failed: bool, world: int | None = None) -> float:
+        """Read a tail summed over the ranks: set the window's ``totals``; return the total weight.
+
+        Raises as [`settle()`][gradaccum.sync.Comm.settle] does (another rank failed, or a mean
+        with nothing to divide by). ``world``: the ranks the tail was summed over (the group's
+        by default; a hybrid sync's tail is summed over two groups).
+        """
+        window = self.window
+        reduction = "sum"  # without a window: no mean to check
+        if window is not None:
+            spec = window.spec
+            reduction, m = spec.reduction, _metrics.width(spec) if spec.metrics else 0
+            window.totals = (summed[0], summed[TAIL : TAIL + m])
+        world = self.world if world is None else world
+        return settle(self.where, world, self.rank, summed, reduction, failed)
+
     def exchange(
         self, device: torch.device, weight: Any, failed: bool, extra: tuple[float, ...] = ()
     ) -> list[float]:
         """All-reduce ``[weight, failed, *extra]`` in float64 and wait; return the sums.
 
         Bound to a window (``Window.connect``), the window's metric sums travel in the same
-        all-reduce, and their totals over the ranks go to ``window.totals``.
+        all-reduce (between ``failed`` and ``extra``), and their totals over the ranks go to
+        ``window.totals``.
         """
-        m = _metrics.width(self.window.spec) if self.window is not None else 0
+        window = self.window
+        m = _metrics.width(window.spec) if window is not None and window.spec.metrics else 0
         tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
-        fill_tail(tail[: TAIL + m], weight, failed, self.window.metrics if m else ())
+        self.fill(tail, weight, failed)
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
         out = list(tail.tolist())
-        if self.window is not None:
-            self.window.totals = (out[0], out[TAIL : TAIL + m])
+        if window is not None:
+            window.totals = (out[0], out[TAIL : TAIL + m])
         return out[:TAIL] + out[TAIL + m :]
+
+    def boundary(
+        self, device: torch.device, weight: Any, failed: bool, desc: tuple[str, ...], subject: str
+    ) -> float | None:
+        """The boundary's tail with the fingerprint in it: one all-reduce; the total weight.
+
+        All-reduces ``[weight, failed, *metric sums, h, h**2]`` (float64): every rank has the same
+        20-bit hash ``h`` of the window (its index, metric names and ``desc``) exactly when
+        ``world * sum(h**2) == sum(h)**2`` (exact in float64). On a mismatch the ranks compare
+        their descriptions ([`compare()`][gradaccum.sync.Comm.compare]) and raise
+        [`GradAccumError`][gradaccum.GradAccumError] on every rank, before any gradient is sent.
+        ``check="never"`` leaves the hash out. Returns ``None`` for a failed rank (its flag told
+        the others); raises where another rank failed, or a mean has nothing to divide by.
+        """
+        hashed = self.check != "never"
+        lines = self.lines(desc)
+        h = float(tail_hash(lines)) if hashed else 0.0
+        tail = self.exchange(device, weight, failed, (h, h * h) if hashed else ())
+        if failed:
+            return None
+        if tail[1]:
+            self.settle(tail, "sum")  # raises: another rank failed
+        if hashed and (self.check == "full" or self.world * tail[3] != tail[2] * tail[2]):
+            self.compare(lines, subject)  # every rank is here: raises naming the difference
+            if self.world * tail[3] != tail[2] * tail[2]:
+                mark_broken(self.group)
+                raise GradAccumError(
+                    f"{self.where}: the ranks disagree on the {subject} (their params' key "
+                    f"paths, shapes or dtypes, the reduction, n, or the reduction function "
+                    f"differ); nothing was reduced. Every rank must pass params of the same tree "
+                    f"and the same reduction; gradaccum.all_reduce() names the difference."
+                )
+        reduction = self.window.spec.reduction if self.window is not None else "sum"
+        return settle(self.where, self.world, self.rank, tail[:TAIL], reduction)
 
     def settle(self, tail: list[float], reduction: str, failed: bool = False) -> float:
         """Read an exchanged tail ``[total weight, failed ranks, ...]``; return the total.
@@ -399,6 +440,26 @@ class Comm:
         window (this one did not), and ``ValueError`` when a mean has nothing to divide by.
         """
         return settle(self.where, self.world, self.rank, tail, reduction, failed)
+
+
+def digest(lines: tuple[str, ...]) -> int:
+    """The 64-bit hash of a fingerprint's description (one line per item): both carriers'."""
+    h = hashlib.blake2b("\n".join(lines).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def tail_hash(lines: tuple[str, ...]) -> int:
+    """The 20-bit hash a boundary tail carries: ``lines`` after the window's index, plus it.
+
+    Consecutive windows never share one (the index is added, not hashed), and ``h**2`` summed
+    over the ranks stays exact in float64.
+    """
+    index = _window_of(lines)
+    if index is None:
+        return digest(lines) % 2**20 + 1
+    number = int(index.split()[0])
+    rest = (index.removeprefix(str(number)), *lines[1:])  # the epoch stays hashed
+    return (digest(rest) + number) % 2**20 + 1
 
 
 def settle(
@@ -428,24 +489,6 @@ def bucket_what(kind: str, buckets: Any, k: int, noun: str = "bucket") -> str:
         f"the {kind} of {noun} {k + 1}/{len(buckets)} ({b.nbytes} bytes of "
         f"{str(b.dtype).removeprefix('torch.')})"
     )
-
-
-def fill_tail(tail: torch.Tensor, weight: Any, failed: bool, metrics: Any = ()) -> None:
-    """Write ``[weight, failed, *metrics]`` into ``tail`` (no host sync); zeros for the rest.
-
-    ``metrics``: tensors (0-dim, or 1-D: their elements in turn).
-    """
-    if isinstance(weight, torch.Tensor):
-        tail[:1].copy_(weight.reshape(1))
-    else:
-        tail[0] = weight
-    tail[1] = 1.0 if failed else 0.0
-    if len(tail) > TAIL:  # the window's metric sums (zeros for those not given: a failed rank)
-        rest = tail[TAIL:]
-        rest.zero_()
-        if metrics:
-            flat = torch.cat([m.reshape(-1) for m in metrics])
-            rest[: len(flat)].copy_(flat)
 
 
 def _window_of(desc: Any) -> str | None:

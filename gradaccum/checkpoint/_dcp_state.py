@@ -189,7 +189,7 @@ def dcp_load(
     ]
     sd = {
         **{k: meta[k] for k in ("format", "reduction", "policies", "accum_dtypes")},
-        **sharded._meta(),
+        **sharded.checkpoint_meta(),
         "weight": torch.tensor(weight, dtype=torch.float64)
         if is_tensor
         else (int(weight) if meta["reduction"] == "mean" else weight),

@@ -105,7 +105,7 @@ class Windows(Generic[B]):
         check_args(where, data, n, epochs, prefetch, timeout)
         found = data_axes(where, sync, group)
         if timeout is None:
-            timeout = getattr(sync, "timeout", None)
+            timeout = sync.timeout if sync is not None else None
         self.data = data
         self.sync = sync
         self.n = n

@@ -13,7 +13,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._dist.comm import Comm, check_timeout
+from .._checks import check_timeout
+from .._core.protocol import check_sync
+from .._dist.comm import Comm
 from .._dist.mesh import Axis, axes, check_group
 from .._errors import GradAccumError, describe
 from .._layout import check_n
@@ -101,12 +103,10 @@ def data_axes(where: str, sync: Any, group: Any) -> tuple[Axis, ...] | None:
     """The groups the data is split over: ``group``, else the sync's, else ``None`` (local)."""
     if group is None and sync is None:
         return None
+    if sync is not None:
+        check_sync(where, sync)
     if group is None:
-        sharded = getattr(sync, "sharded", None)
-        if sharded is not None and hasattr(sharded, "axis"):  # a reduce-scatter sync
-            group = sharded.mesh if sharded.mesh is not None else sharded.group
-        else:
-            group = getattr(sync, "group", None)  # all_reduce, custom reductions; else the world
+        group = sync.data_group()  # its group (a reduce-scatter sync: the shards' mesh or group)
     check_group(where, group, "pass the process group (or mesh) the data is split over")
     shard, replicate = axes(where, group)
     return (shard,) if replicate is None else (shard, replicate)

@@ -289,9 +289,9 @@ def _agreement(where: str, step: Step | None, data: Any) -> Agreement | None:
     """The ranks' agreement in ``load``: over the step's sync (else the data's); or none."""
     sync = step.sync if step is not None else getattr(data, "sync", None)
     found = data_axes(where, sync, None)
-    if found is None:
+    if found is None or sync is None:
         return None
-    return Agreement(where, found, getattr(sync, "timeout", None), "gradaccum.loop.load")
+    return Agreement(where, found, sync.timeout, "gradaccum.loop.load")
 
 
 def _prepare(

@@ -27,10 +27,10 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .. import _metrics, _reduce, _tree
+from .._checks import positive
 from .._core.accumulator import Accumulator
 from .._core.protocol import check_sync
 from .._core.state import AccumState
-from .._dist.comm import positive
 from .._errors import GradAccumError, describe
 from ..boundary import clip_by_global_norm
 from ._data import Windows
@@ -282,7 +282,7 @@ class Step:
                 f"leave out sync= here (the step then takes data's)."
             )
         check_sync(where, sync)
-        if hasattr(sync, "sharded"):
+        if sync is not None and sync.shards:
             raise ValueError(
                 f"{where}: sync is a reduce_scatter, whose boundary returns this rank's "
                 f"gradient shards, which Step cannot write into the module's .grad; use "

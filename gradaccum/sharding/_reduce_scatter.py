@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from .._checks import Check, check_options
 from .._core.checkpoint_format import check_counters, check_meta, check_progress
 from .._core.protocol import Sync, Window, WindowSpec
 from .._core.state import AccumState
 from .._dist.buckets import Bucket
-from .._dist.comm import Check, check_options
 from .._errors import GradAccumError, describe
 from .._layout import Layout, make_layout, with_accum
 from .._metrics import check_saved
@@ -54,6 +54,17 @@ class ReduceScatter(Sync):
     check: Check = "fingerprint"
     timeout: float | None = None
     overlap: bool = True
+    shards = True  # the boundary returns this rank's gradient shards (Sync.shards)
+
+    @property
+    def group(self) -> Any:
+        """The shards' group (``Sync.group``): the reduce-scatter's."""
+        return self.sharded.group
+
+    def data_group(self) -> Any:
+        """The data is split over the shards' mesh (sharded hybrid: both dims), or group."""
+        sp = self.sharded
+        return sp.mesh if sp.mesh is not None else sp.group
 
     def policies(self) -> tuple[str, ...]:
         """The policy of each shard tensor (``"boundary"`` or ``"every"``), in shard order."""
@@ -108,12 +119,20 @@ class ReduceScatter(Sync):
         """A window checked against the sharded layout, after the fingerprint (see ``check``)."""
         return ScatterWindow(self, spec)
 
+    def window_of(self, sums: Any) -> Window | None:
+        """The live window ``sums`` stands for: a reduce-scatter window keeps itself in the state.
+
+        It has no full tree of running sums (its shards and collectives in flight live in the
+        window), so its [`tree()`][gradaccum.sync.Window.tree] is the window itself.
+        """
+        return sums if isinstance(sums, ScatterWindow) else None
+
     def state_dict(self, reduction: str, state: AccumState[Any]) -> dict[str, Any]:
         """An accumulator state as a dict (copies), mid-window included."""
         window, lay = state.sums, state.layout
         return {
             "format": SAVE_FORMAT,
-            **self.sharded._meta(),
+            **self.sharded.checkpoint_meta(),
             "reduction": reduction,
             "policies": list(self.policies()),
             "accum_dtypes": [str(d) for d in lay.accum_dtypes],
@@ -121,11 +140,7 @@ class ReduceScatter(Sync):
             "micro_step": state.micro_step,
             "window": state.window,
             "epoch": state.epoch,
-            "steps": window.steps if window is not None else 0,
-            "full": None
-            if window is None
-            else [None if f is None else f.clone() for f in window.full],
-            "out": None if window is None else [o.clone() for o in window.out],
+            **(window.saved() if window is not None else ScatterWindow.NOTHING_SAVED),
             "metrics": None
             if state.metrics is None
             else {k: v.clone() for k, v in state.metrics.items()},
@@ -136,7 +151,7 @@ class ReduceScatter(Sync):
     ) -> AccumState[Any]:
         """Validate a saved sharded accumulator state against this rank's, then rebuild it."""
         where, reduction, n, lay = spec.where, spec.reduction, spec.n, state.layout
-        check_meta(where, sd, SAVE_FORMAT, self.sharded._meta())
+        check_meta(where, sd, SAVE_FORMAT, self.sharded.checkpoint_meta())
         mine = {
             "reduction": reduction,
             "policies": list(self.policies()),
@@ -167,25 +182,7 @@ class ReduceScatter(Sync):
                 None, weight, sd["micro_step"], sd["window"], lay, metrics=metrics, epoch=epoch
             )
         window = ScatterWindow(self, spec, verify=False)
-        saved = list(sd["full"]) + list(sd["out"])
-        if len(saved) != len(window.full) + len(window.out):
-            raise GradAccumError(
-                f"{where}: the state holds {len(sd['full'])} bucket and {len(sd['out'])} shard "
-                f"buffers, but this window has {len(window.full)} and {len(window.out)}{fix}"
-            )
-        for k, (t, f) in enumerate(zip(saved, window.full + window.out)):  # type: ignore[operator]
-            if (t is None) != (f is None) or (
-                f is not None
-                and (not isinstance(t, torch.Tensor) or t.shape != f.shape or t.dtype != f.dtype)
-            ):
-                raise GradAccumError(
-                    f"{where}: saved buffer {k} is {describe(t)}, expected "
-                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}{fix}"
-                )
-            if f is not None:  # a fresh window: an error above leaves nothing half-loaded
-                with torch.no_grad():
-                    f.copy_(t)
-        window.steps = sd["steps"]
+        window.load(sd, fix)
         return type(state)(
             window, weight, sd["micro_step"], sd["window"], lay, metrics=metrics, epoch=epoch
         )

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _tree
+from .._checks import positive
 from .._core.checkpoint_format import check_like, check_meta
-from .._dist.comm import Comm, bucket_what, positive
+from .._dist.comm import Comm, bucket_what
 from .._dist.mesh import Axis, axes, check_group
 from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout
@@ -186,7 +187,20 @@ class Sharded:
         for g, s in zip(grads, self.shards):
             s.grad = g
 
-    def _meta(self) -> dict[str, Any]:
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint of these shards (or of an accumulator of them) must match.
+
+        The group's size and this rank in it (and the replicas, sharded hybrid), ``bucket_mb``
+        and the shard plan's description: a state saved under another sharding is refused.
+
+        Examples:
+            >>> import torch, torch.distributed as dist, gradaccum
+            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            >>> meta = gradaccum.shard({"w": torch.zeros(3)}).checkpoint_meta()
+            >>> meta["world"], meta["rank"], meta["bucket_mb"]
+            (1, 0, 25.0)
+            >>> dist.destroy_process_group()
+        """
         replicas = {"replicas": self.replicas} if self.replicas > 1 else {}
         return {
             "world": self.world,
@@ -212,7 +226,7 @@ class Sharded:
         self._not_fsdp("state_dict()")
         return {
             "format": FORMAT,
-            **self._meta(),
+            **self.checkpoint_meta(),
             "shards": [s.detach().clone() for s in self.shards],
         }
 
@@ -230,7 +244,7 @@ class Sharded:
         """
         where = "Sharded.load_state_dict(state_dict)"
         self._not_fsdp("load_state_dict(state_dict)")
-        check_meta(where, state_dict, FORMAT, self._meta())
+        check_meta(where, state_dict, FORMAT, self.checkpoint_meta())
         saved = state_dict.get("shards")
         check_like(
             where,

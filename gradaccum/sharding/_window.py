@@ -14,9 +14,10 @@ import torch
 
 from .. import _metrics, _reduce
 from .._core.protocol import Window, WindowSpec
+from .._dist.broken import is_broken
 from .._dist.buckets import TAIL
-from .._dist.comm import bucket_what, fill_tail, settle
-from .._errors import is_broken
+from .._dist.comm import bucket_what
+from .._errors import GradAccumError, describe
 
 __all__ = ["MAX_IN_FLIGHT", "ScatterWindow"]
 
@@ -29,7 +30,8 @@ class ScatterWindow(Window):
 
     def __init__(self, sync: Any, spec: WindowSpec, verify: bool = True) -> None:
         """``sync`` is the ReduceScatter (its sharded params, policies, gather and options)."""
-        super().__init__(spec)
+        super().__init__(spec, sync)
+        self.sync: Any = sync
         lay, where, sp = spec.layout, spec.where, sync.sharded
         if _FIXED(lay) != _FIXED(sp.layout):
             raise ValueError(
@@ -45,7 +47,6 @@ class ScatterWindow(Window):
             raise ValueError(
                 f"{where}: mixed accumulation dtypes within a shard are not supported."
             )
-        self.sync = sync
         what = "sync=reduce_scatter(...)"
         self.comm = self.connect(sp.axis, sync.timeout, sync.check, what)
         # Hybrid: the replicas' group; the shards are all-reduced over it once per window.
@@ -102,9 +103,52 @@ class ScatterWindow(Window):
         self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
         self.bound_works: list[tuple[Any, str, int]] = []  # launched, not yet waited on
 
+    # What state_dict() saves of a state with no window open.
+    NOTHING_SAVED: dict[str, Any] = {"steps": 0, "full": None, "out": None}
+
     def tree(self, like: Any = None) -> Any:
-        """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists)."""
+        """The window itself stands for its sums in ``AccumState.sums`` (no full tree exists).
+
+        ``ReduceScatter.window_of`` gives it back to the core at the next ``add``.
+        """
         return self
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint of the window holds (copies): its micro-steps, buckets and shards."""
+        return {
+            "steps": self.steps,
+            "full": [None if f is None else f.clone() for f in self.full],
+            "out": [o.clone() for o in self.out],
+        }
+
+    def load(self, sd: dict[str, Any], fix: str) -> None:
+        """Take what ``saved()`` returned (in a state dict ``sd``), checked first.
+
+        Raises ``GradAccumError`` naming the first buffer of another shape or dtype; a fresh
+        window is left as it was by an error (``fix``: how the message ends).
+        """
+        where = self.where
+        saved = list(sd["full"]) + list(sd["out"])
+        if len(saved) != len(self.full) + len(self.out):
+            raise GradAccumError(
+                f"{where}: the state holds {len(sd['full'])} bucket and {len(sd['out'])} shard "
+                f"buffers, but this window has {len(self.full)} and {len(self.out)}{fix}"
+            )
+        mine: list[torch.Tensor | None] = [*self.full, *self.out]
+        for k, (t, f) in enumerate(zip(saved, mine)):
+            if (t is None) != (f is None) or (
+                f is not None
+                and (not isinstance(t, torch.Tensor) or t.shape != f.shape or t.dtype != f.dtype)
+            ):
+                raise GradAccumError(
+                    f"{where}: saved buffer {k} is {describe(t)}, expected "
+                    f"{'None' if f is None else f'shape {tuple(f.shape)} {f.dtype}'}{fix}"
+                )
+        with torch.no_grad():
+            for t, f in zip(saved, mine):
+                if f is not None:
+                    f.copy_(t)
+        self.steps = sd["steps"]
 
     def streams(self, i: int) -> bool:
         """``every`` leaves hand their gradient over each micro-step."""
@@ -246,7 +290,6 @@ class ScatterWindow(Window):
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
-        self.at(self.where)
         self.overlapping = False
         if self.launched or self.in_flight:  # a step cut short by an error
             self.step()
@@ -263,7 +306,7 @@ class ScatterWindow(Window):
         self._launch_bound(ready_only=False)
         dev = self.plan.devices[0] if self.plan.devices else torch.device("cpu")
         tail = torch.zeros(TAIL + _metrics.width(self.spec), dtype=torch.float64, device=dev)
-        fill_tail(tail, weight, failed, self.metrics)
+        self.comm.fill(tail, weight, failed)
         tail_work = self.comm.all_reduce(tail, "the weight all_reduce", "weight")
         while self.bound_works:
             self._wait_bound()
@@ -275,23 +318,10 @@ class ScatterWindow(Window):
             self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what))
             while self.rworks:
                 self.rcomm.wait(*self.rworks.pop(0))
-        summed = tail.tolist()
-        total = settle(self.where, world, self.comm.rank, summed, self.spec.reduction, failed)
-        self.totals = (total, summed[TAIL:])
+        total = self.comm.read(tail.tolist(), failed, world)
         with torch.no_grad():
             _reduce.normalise(self.spec.reduction, self.out, total)  # type: ignore[arg-type]
             return tuple(o.to(s.dtype) for o, s in zip(self.out, self.sync.sharded.shards))
-
-    def abort(self, weight: Any) -> None:
-        """Join the boundary flagged as failed, unless a collective of the groups failed."""
-        if not any(is_broken(c.group) for c in (self.comm, self.rcomm) if c is not None):
-            self.finish(weight, failed=True)
-
-    def at(self, where: str) -> None:
-        """Errors from here on name ``where`` (the call now driving the window)."""
-        self.where = self.comm.where = where
-        if self.rcomm is not None:
-            self.rcomm.where = where
 
 
 def _first_diff(lay: Any, mine: Any) -> str:

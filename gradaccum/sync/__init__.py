@@ -4,9 +4,11 @@ Make a sync with [`gradaccum.all_reduce()`][gradaccum.all_reduce] or
 [`gradaccum.custom_reduce()`][gradaccum.custom_reduce]; the classes here are what they return
 (the sharded sync, [`ReduceScatter`][gradaccum.sharding.ReduceScatter], is in
 [`gradaccum.sharding`](../sharded.md)).
-To write a new kind of sync, subclass [`Sync`][gradaccum.sync.Sync] and
-[`Window`][gradaccum.sync.Window], and talk to the process group through
-[`Comm`][gradaccum.sync.Comm] (see the architecture page).
+To write a new kind of sync, subclass [`Sync`][gradaccum.sync.Sync] and implement its
+[`reduce()`][gradaccum.sync.Sync.reduce], which talks to the process group through the
+[`Comm`][gradaccum.sync.Comm] it is given; the base class does the rest of the boundary (see the
+architecture page). A sync that overlaps its collectives with the backward also subclasses
+[`Window`][gradaccum.sync.Window].
 """
 
 from .._core.protocol import Local as Local

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from .. import _metrics, _tree
+from .._checks import Check, check_options, positive
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
-from .._dist.comm import Check, Probe, bucket_what, check_options, fill_tail, positive
+from .._dist.comm import Probe, bucket_what
 from .._dist.mesh import axis, check_group
-from .._errors import describe, is_broken, is_mesh
+from .._errors import describe, is_mesh
 from .._layout import make_layout
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
@@ -93,8 +94,9 @@ class BucketWindow(Window):
     """One window of an all-reduce sync: fingerprint, buckets in plan order, the tail last."""
 
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
-        super().__init__(spec)
-        self.sync, self.plan, self.overlap = sync, sync._plan(spec.layout), sync.overlap
+        super().__init__(spec, sync)
+        self.sync: AllReduce = sync
+        self.plan, self.overlap = sync._plan(spec.layout), sync.overlap
         # The first fast window with overlap records the order the sums become final; at its
         # boundary the ranks agree on it and the next windows' buckets follow it.
         self.reorder = sync.overlap and spec.fast and spec.layout not in sync._ordered
@@ -176,7 +178,7 @@ class BucketWindow(Window):
         tail_buf = self.bufs[self.tail_k] if self.bufs else None
         if tail_buf is None or self.extra:  # restored sums, or metrics still to come
             return
-        fill_tail(tail_buf[-TAIL:], weight, False, ())
+        self.comm.fill(tail_buf[-TAIL:], weight, False)
         self.sealed = True
 
     def ready(self, i: int) -> None:
@@ -219,7 +221,7 @@ class BucketWindow(Window):
             assert tail_buf is not None
             tail = tail_buf[-TAIL - self.extra :]
             if len(self.works) < len(self.order):  # the tail bucket is not sent yet
-                fill_tail(tail, weight, failed, self.metrics)
+                self.comm.fill(tail, weight, failed)
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):
@@ -227,9 +229,7 @@ class BucketWindow(Window):
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
-            summed = tail.tolist()
-            total = self.comm.settle(summed, self.spec.reduction, failed)
-            self.totals = (total, summed[TAIL:])
+            total = self.comm.read(tail.tolist(), failed)
             if self.hinted and not failed:
                 # Reached on every rank or on none (settle raises where another rank failed).
                 self.sync._totals[self.layout] = total
@@ -274,11 +274,6 @@ class BucketWindow(Window):
         order = sorted(rank, key=lambda i: (agreed[i], rank[i]))
         sync._plans[lay] = make_plan(lay, int(sync.bucket_mb * 2**20), order)
         sync._ordered.add(lay)
-
-    def abort(self, weight: Any) -> None:
-        """Join the boundary flagged as failed, unless a collective of the group failed."""
-        if not is_broken(self.sync.group):
-            self.finish(weight, failed=True)
 
 
 class Spare:

@@ -6,20 +6,18 @@ The boundary protocol (the weight exchange, the shares, ``fn``) is described in
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import _metrics, _reduce, _tree
-from .._core.protocol import Sync, Window, WindowSpec
-from .._dist.buckets import make_plan
-from .._dist.comm import check_timeout, settle
+from .. import _tree
+from .._checks import check_timeout
+from .._core.protocol import Sync, WindowSpec
+from .._dist.comm import Comm
 from .._dist.mesh import axis
-from .._errors import GradAccumError, describe, is_broken
+from .._errors import describe
 
 __all__ = ["CustomReduce", "custom_reduce"]
 
@@ -34,7 +32,9 @@ class CustomReduce(Sync):
     Make one with [`custom_reduce()`][gradaccum.custom_reduce] (or a built-in such as
     [`compressed_all_reduce()`][gradaccum.compression.compressed_all_reduce]) and pass it as
     ``sync=``. Its fields are the arguments of [`custom_reduce()`][gradaccum.custom_reduce],
-    and ``name``, how the reduction calls itself in messages and reprs.
+    and ``name``, how the reduction calls itself in messages and reprs. It is a sync of the
+    simple tier: its [`reduce()`][gradaccum.sync.Sync.reduce] calls ``fn``; the base
+    class does the boundary's tail, the failure path and the state.
 
     Examples:
         >>> import gradaccum
@@ -48,10 +48,6 @@ class CustomReduce(Sync):
     group: Any = None
     timeout: float | None = None
     name: str = "custom_reduce"
-    _state: list[Any] = field(default_factory=lambda: [None], init=False, repr=False)
-    _hashes: dict[Any, tuple[int, tuple[str, ...]]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
 
     @property
     def state(self) -> Any:
@@ -62,114 +58,42 @@ class CustomReduce(Sync):
         it with your checkpoint and restore it with
         [`load_state()`][gradaccum.sync.CustomReduce.load_state].
         """
-        return self._state[0]
+        return self._kept_state
 
     def load_state(self, state: Any) -> None:
         """Restore the state that [`state`][gradaccum.sync.CustomReduce.state] returned (resume)."""
-        self._state[0] = state
+        Sync.load_state(self, state)
 
-    def open(self, spec: WindowSpec) -> Window:
-        """A window of plain running sums, reduced by ``fn`` at the boundary."""
-        return CustomWindow(self, spec)
+    def describe(self) -> tuple[str, ...]:
+        """The fingerprint covers the reduction function's name."""
+        return (f"reduction function {self.name}",)
 
-    def _hash(self, spec: WindowSpec) -> tuple[int, tuple[str, ...]]:
-        """A 20-bit hash of the window (its index, metrics, tree, reduction, function, n).
-
-        Also the description it hashes, without the lines of the index and metrics.
-        """
-        metrics = (spec.metrics, spec.metric_shapes)
-        key = (spec.layout, spec.reduction, spec.n if spec.agree_n else None, metrics)
-        cached = self._hashes.get(key)
-        if cached is None:
-            desc = (
-                *make_plan(spec.layout, 1).description,
-                f"reduction={spec.reduction!r}",
-                *((f"n={spec.n} micro-batches per window",) if spec.agree_n else ()),
-                f"reduction function {self.name}",
-            )
-            full = (_metrics.line(spec), *desc)
-            digest = hashlib.blake2b("\n".join(full).encode(), digest_size=8).digest()
-            cached = self._hashes[key] = (int.from_bytes(digest, "little"), desc)
-        h, desc = cached
-        return (h + spec.index) % 2**20 + 1, desc  # consecutive windows never share a hash
-
-
-class CustomWindow(Window):
-    """A window of a custom reduction: plain sums; the boundary calls the user's ``fn``."""
-
-    def __init__(self, sync: CustomReduce, spec: WindowSpec) -> None:
-        super().__init__(spec)
-        self.sync = sync
-
-    def finish(self, weight: Any, failed: bool = False) -> Any:
-        """Sum the weight (and check the tree) over the group, take the share, apply ``fn``.
-
-        The one collective is an all-reduce of ``[weight, failed, *metrics, h, h**2]`` (float64,
-        32 bytes without metrics): every rank has the same 20-bit hash ``h`` of its window index,
-        metric names, gradient tree, reduction and function exactly when
-        ``world * sum(h**2) == sum(h)**2`` (exact in float64); if not, the ranks compare their
-        descriptions to name the difference.
-        """
-        sync, lay, where, reduction = self.sync, self.layout, self.where, self.spec.reduction
-        group, world = None, 1
-        if sync.group is None and not (dist.is_available() and dist.is_initialized()):
-            if failed:  # one process: nobody to tell; fn and its state stay untouched
-                return None
-            total, agree = float(weight), True
-            self.totals = (total, list(self.metrics))
-        else:  # the group is first needed here (not at open: add() runs without it)
-            comm = self.connect(sync.group, sync.timeout, what=f"sync={sync.name}")
-            group, world = comm.group, comm.world
-            h, desc = sync._hash(self.spec)
-            dev = lay.devices[0] if lay.devices else torch.device("cpu")
-            tail = comm.exchange(dev, weight, failed, (float(h), float(h) * h))
-            if failed:
-                return None
-            if tail[1]:
-                comm.settle(tail, reduction)  # raises: another rank failed
-            total, agree = tail[0], world * tail[3] == tail[2] * tail[2]
-            if not agree:  # every rank is here: name the difference (raises if one is found)
-                comm.compare(comm.lines(desc), f"gradients to reduce with {sync.name}")
-        if not agree:
-            raise GradAccumError(
-                f"{where}: the ranks disagree on the gradients to reduce with {sync.name} (their "
-                f"params' key paths, shapes or dtypes, the reduction, n, or the reduction "
-                f"function differ); nothing was reduced. Every rank must pass params of the "
-                f"same tree and the same reduction; gradaccum.all_reduce() names the difference."
-            )
-        total = settle(where, world, 0, [total, 0.0], reduction)
-        sums = self.sums if self.sums is not None else self.storage(zero=True)
-        assert sums is not None
-        shares = _tree.unflatten(lay.spec, sums)
-        state = self.state
-        if state is None and sync.init is not None:
-            state = sync.init(_tree.map_(torch.zeros_like, shares))
-        with torch.no_grad():
-            _reduce.normalise(reduction, sums, total)  # type: ignore[arg-type]
-            out = sync.fn(shares, state, group)
+    def reduce(
+        self, spec: WindowSpec, shares: list[torch.Tensor], state: Any, comm: Comm | None
+    ) -> tuple[list[torch.Tensor], Any]:
+        """``fn(shares as a tree, state, group)``: its result checked, flat, and its state."""
+        lay, where = spec.layout, spec.where
+        tree = _tree.unflatten(lay.spec, shares)
+        if state is None and self.init is not None:
+            state = self.init(_tree.map_(torch.zeros_like, tree))
+        out = self.fn(tree, state, comm.group if comm is not None else None)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(
-                f"{where}: the reduction {sync.name} must return (grads, state), got "
+                f"{where}: the reduction {self.name} must return (grads, state), got "
                 f"{describe(out)}; return the summed gradients and the new state (None if it "
                 f"keeps none)."
             )
-        summed, self.state = out
-        leaves, spec = _tree.flatten(summed)
-        if spec != lay.spec or any(
+        summed, state = out
+        leaves, tree_spec = _tree.flatten(summed)
+        if tree_spec != lay.spec or any(
             not isinstance(g, torch.Tensor) or g.shape != s for g, s in zip(leaves, lay.shapes)
         ):
             raise ValueError(
-                f"{where}: the reduction {sync.name} must return gradients shaped like the ones "
+                f"{where}: the reduction {self.name} must return gradients shaped like the ones "
                 f"it was given (the params tree), got {describe(summed)}; return one tensor per "
                 f"leaf, of the same shape."
             )
-        with torch.no_grad():
-            return _tree.unflatten(lay.spec, [g.to(d) for g, d in zip(leaves, lay.dtypes)])
-
-    def abort(self, weight: Any) -> None:
-        """Join the boundary flagged as failed, unless a collective of the group failed."""
-        if not is_broken(self.sync.group):
-            self.finish(weight, failed=True)
+        return leaves, state
 
 
 def custom_reduce(

@@ -1,0 +1,45 @@
+"""Argument validators shared by the public constructors: a leaf (nothing of gradaccum's above).
+
+``check=`` and ``timeout=`` mean the same for every sync, and ``positive`` is the rule for a
+positive, finite number (``bucket_mb``, ``clip``, ``timeout``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from ._errors import describe
+
+__all__ = ["CHECKS", "Check", "check_options", "check_timeout", "positive"]
+
+Check = Literal["fingerprint", "full", "never"]
+CHECKS = ("fingerprint", "full", "never")
+
+
+def check_options(where: str, check: object, timeout: object, overlap: object = True) -> None:
+    """Validate the options every sync shares: ``check``, ``timeout``, ``overlap``."""
+    if not isinstance(check, str) or check not in CHECKS:
+        raise ValueError(
+            f"{where}: check must be one of {', '.join(map(repr, CHECKS))}, got "
+            f"{describe(check)}; pass check='fingerprint' (the default: the ranks check that their "
+            f"trees agree in every window), 'full' (a debug mode) or 'never'."
+        )
+    check_timeout(where, timeout)
+    if not isinstance(overlap, bool):
+        raise TypeError(
+            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
+        )
+
+
+def check_timeout(where: str, timeout: object) -> None:
+    """Validate ``timeout``: None, or a positive, finite number of seconds."""
+    if timeout is not None and not positive(timeout):
+        raise ValueError(
+            f"{where}: timeout must be None or a positive, finite number of seconds, got "
+            f"{describe(timeout)}; pass e.g. timeout=60."
+        )
+
+
+def positive(x: object) -> bool:
+    """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
