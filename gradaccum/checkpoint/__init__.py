@@ -10,7 +10,7 @@ through [`gradaccum.loop.save()`][gradaccum.loop.save].
 
 from ._dcp import ShardedCheckpoint as ShardedCheckpoint
 from ._dcp import dcp_checkpoint as dcp_checkpoint
-from ._dcp_state import dcp_load as dcp_load
-from ._dcp_state import dcp_save as dcp_save
+from ._dcp import dcp_load as dcp_load
+from ._dcp import dcp_save as dcp_save
 
 __all__ = ["ShardedCheckpoint", "dcp_checkpoint", "dcp_load", "dcp_save"]
