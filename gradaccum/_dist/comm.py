@@ -247,11 +247,13 @@ class Comm:
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
-        with self.failing(what):
+        try:  # failing(what), written out: this runs for every bucket of every window
             if self.timeout is None:
                 work.wait()
             else:  # the collective fails by itself after its timeout; this bound is a second line
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            raise self.broken(what, err) from err
         works = _IN_FLIGHT.get(self.group)
         if works:
             works[:] = [w for w in works if w is not work]

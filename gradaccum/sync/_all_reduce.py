@@ -150,13 +150,11 @@ class BucketWindow(Window):
         backward at the cost of the exchange alone. An ``Accumulator`` opens a window per
         ``add``, so its fingerprint starts at the boundary.
         """
-        if self.spec.fast:
+        if self.spec.fast and not self.probing:
             self._probe()
 
     def _probe(self) -> None:
-        """Start the window's fingerprint exchange, once."""
-        if self.probing:
-            return
+        """Start the window's fingerprint exchange (once: ``probing`` says it started)."""
         self.probing = True
         self.comm = self.connect(self.sync.group, self.sync.timeout, self.sync.check)
         extra: tuple[str, ...] = ()
@@ -176,7 +174,8 @@ class BucketWindow(Window):
         if self.opened:
             return
         self.opened = True
-        self._probe()
+        if not self.probing:  # an Accumulator's window, or a call that never began
+            self._probe()
         probe, self.probe = self.probe, None
         self.comm.agree(probe)  # the ranks' buckets must agree before the first one starts
         if self.sums is None:  # an empty window still joins, with zero weight
