@@ -407,9 +407,9 @@ class Comm:
         """Write the boundary's tail, ``[weight, failed, *metric sums]``, into ``tail``.
 
         No host sync: a tensor weight is copied on the device, a number is written by ``fill_``
-        (an index assignment would copy it from the host and wait). The metric sums are those of the
-        bound window (``Window.connect``; zeros for those not given: a failed rank); ``tail``
-        has room for them. Every sync's tail is written here, wherever it travels (its own
+        (an index assignment would copy it from the host and wait). The metric sums are those
+        of the bound window (``Window.connect``; zeros for those not given: a failed rank);
+        ``tail`` has room for them. Every sync's tail is written here, wherever it travels (its own
         all-reduce, or the end of the last gradient bucket);
         [`read()`][gradaccum.sync.Comm.read] reads it back.
         """
