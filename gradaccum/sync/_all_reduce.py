@@ -344,8 +344,9 @@ def all_reduce(
     window's 16-byte fingerprint starts with it); at the boundary the window's running sums,
     which already live in flat contiguous buckets, are summed over the group with one
     asynchronous ``torch.distributed.all_reduce`` per bucket, in place. The window's weight
-    (rows under ``mean``, counts under ``count``) travels in the last bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
-    tokens per rank, and a rank with an empty window contributes zero weight. The metrics of
+    (rows under ``mean``, counts under ``count``) travels in the last bucket, so the result is
+    the gradient over the *global* batch: exact with unequal rows or tokens per rank, and a rank
+    with an empty window contributes zero weight. The metrics of
     [`Accumulator.add()`][gradaccum.Accumulator.add] travel there too.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
