@@ -201,6 +201,25 @@ def test_accumulate_reduce_scatter(
         check_window(counter.take(), n, f"window {window}")
 
 
+@pytest.mark.parametrize("n", [1, N])
+def test_accumulate_custom_reduce(world: None, counter: HostReads, n: int) -> None:
+    """A simple-tier sync: one read, the tail that carries the fingerprint (its own none)."""
+
+    def summed(grads: Any, state: Any, group: Any) -> tuple[Any, Any]:
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+        return grads, state
+
+    sync = gradaccum.custom_reduce(summed)
+    params, batch = mlp()
+    step = gradaccum.accumulate(gradaccum.grad(counted(counter)), n, sync=sync)
+    for window in range(WINDOWS):
+        step(params, batch)
+        reads = counter.take()
+        check_window(reads, n, f"window {window}")
+        assert len(reads) == 1, f"window {window}: {reads}"
+
+
 @pytest.mark.parametrize("sync", ["all_reduce", "reduce_scatter/boundary", "reduce_scatter/every"])
 @pytest.mark.parametrize("metrics", ["none", "tensors", "numbers"])
 def test_accumulator(world: None, counter: HostReads, sync: str, metrics: str) -> None:
