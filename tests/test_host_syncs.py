@@ -2,16 +2,19 @@
 
 On a CUDA device each of these Python-level reads of a device tensor stalls the host until the
 launch queue has drained up to it: ``Tensor.item``, ``tolist``, ``__bool__``, ``__float__``,
-``__int__``, and ``torch.tensor`` / ``torch.as_tensor`` with a ``device=`` (a host-to-device
-copy from pageable memory). On the CPU none of them costs anything, but the code that calls them
+``__int__``, ``torch.tensor`` / ``torch.as_tensor`` with a ``device=`` (a host-to-device
+copy from pageable memory), and an index assignment of a number (``t[0] = 1.0``: the same
+copy). On the CPU none of them costs anything, but the code that calls them
 is the same, so counting them here (every tensor is a CPU tensor: every such call is counted)
-bounds what a device run can see. ``benchmarks/gpu_check.py`` counts the real syncs on a device
-with ``torch.cuda.set_sync_debug_mode``.
+bounds what a device run can see (the fingerprint's read counts here, though on CUDA it waits
+for an event on a side stream, not for the compute stream). ``benchmarks/gpu_check.py`` and the
+``gpu`` suite count the real syncs on a device with ``torch.cuda.set_sync_debug_mode``.
 
-The bound (``docs/sync.md``, "Host syncs"): on the all-reduce and reduce-scatter paths, at most
-two reads per window, the fingerprint agreement and the boundary's tail; none inside a backward
-and none between micro-batches (a read happens before the window's first forward or after its
-last one; for an ``Accumulator``, in ``finalize`` only). One process, a gloo group of world size
+The bound (``docs/sync.md``, "Costs and limits"): on the all-reduce and reduce-scatter paths, at
+most two reads per window, the fingerprint agreement and the boundary's tail; none inside a
+backward and none between micro-batches (a read happens before the window's first forward or
+after its last one; for an ``Accumulator``, in its first ``add``, where a reduce-scatter window
+opens, or in ``finalize``). One process, a gloo group of world size
 one on a ``HashStore``: no process is started, so these run in the fast tier.
 """
 
