@@ -194,7 +194,8 @@ def add(sums: Metrics | None, first: bool, given: Any, device: torch.device) -> 
             if isinstance(v, torch.Tensor):
                 out[k] = v.detach().to(device=device, dtype=_dtype(device), copy=True)
             else:
-                out[k] = torch.tensor(v, dtype=_dtype(device), device=device)
+                # A kernel argument: torch.tensor(v, device=) would copy from the host and wait.
+                out[k] = torch.full((), v, dtype=_dtype(device), device=device)
         else:  # a new tensor, not add_: torch.compile drops in-place adds into 0-dim inputs
             s = sums[k]  # type: ignore[index]
             out[k] = s + (v.detach().to(device) if isinstance(v, torch.Tensor) else v)

@@ -491,6 +491,76 @@ def test_the_fast_path_does_not_sync_before_the_last_micro_batch(sync: str) -> N
         torch.cuda.set_sync_debug_mode(0)
 
 
+class UntilTheTail:
+    """Sync debug mode ``"error"`` from entry to the first host read of a CUDA tensor's list.
+
+    That read is the boundary's tail (``tolist``), the one sync a window needs besides its
+    fingerprint, which is read through an event on a side stream (not a sync of the compute
+    stream, so the mode does not see it). Everything before it, the window's start, each
+    micro-batch, the last backward and the buckets it launches, must not sync.
+    """
+
+    def __enter__(self) -> UntilTheTail:
+        self.tolist = torch.Tensor.tolist
+        self.reached = False
+        original = self.tolist
+
+        def tolist(t: torch.Tensor) -> Any:
+            if t.is_cuda and not self.reached:
+                self.reached = True
+                torch.cuda.set_sync_debug_mode(0)
+            return original(t)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.Tensor.tolist = self.tolist  # type: ignore[method-assign]
+
+
+@cuda_only
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("sync", ["all_reduce", "reduce_scatter/boundary", "reduce_scatter/every"])
+def test_a_window_syncs_only_at_its_tail(sync: str, n: int) -> None:
+    """issue 28 (1): no sync inside a backward; the fingerprint is read without draining."""
+    params = mlp_params()
+    batch = regression()
+    if sync == "all_reduce":
+        target: Any = params
+        made: Any = gradaccum.all_reduce(bucket_mb=0.01)
+    else:
+        target = gradaccum.shard(params, bucket_mb=0.01)
+        made = gradaccum.reduce_scatter(target, policy=sync.split("/")[1])
+    step = gradaccum.accumulate(gradaccum.grad(mlp_loss), n, sync=made)
+    step(target, batch)  # the first window: the bucket order, the side stream, pinned memory
+    for window in range(1, 3):
+        with UntilTheTail() as tail:
+            step(target, batch)
+        assert tail.reached, window
+
+
+@cuda_only
+def test_an_accumulator_window_syncs_only_at_its_tail() -> None:
+    params = mlp_params()
+    batch = regression()
+    n = 4
+    acc = gradaccum.Accumulator(n=n, sync=gradaccum.all_reduce(bucket_mb=0.01))
+    state = acc.init(params)
+    micro = list(zip(batch[0].chunk(n), batch[1].chunk(n)))
+    values = [torch.func.grad_and_value(mlp_loss)(params, mb) for mb in micro]
+    for window in range(3):
+        with UntilTheTail() as tail:
+            for (g, loss), (x, _) in zip(values, micro):
+                state = acc.add(state, g, size=len(x), metrics={"loss": loss.detach(), "rows": 1})
+            grads, state, stats = acc.boundary(state)
+        assert tail.reached, window
+        assert stats.metrics["rows"] == n
+        assert not bad(rel_err(grads, reference(params, batch)), TOL32), window
+
+
 def _step_and_data(n: int) -> tuple[Step, list[Any]]:
     model = step_model()
     step = Step(
@@ -512,13 +582,6 @@ def test_loop_step_add_in_the_middle_of_a_window_does_not_sync() -> None:
 
 
 @cuda_only
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="issue 28 (1): Step.add syncs at a window's first micro-batch: its metric "
-    "micro_batches=1 (a Python number) becomes a device tensor by torch.tensor(v, device=...) "
-    "in gradaccum/_metrics.py add() (first=True), a host-to-device copy",
-)
 def test_loop_step_add_at_a_window_start_does_not_sync() -> None:
     n = 4
     step, data = _step_and_data(n)

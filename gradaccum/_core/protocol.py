@@ -48,7 +48,8 @@ class WindowSpec:
             ``Sharded`` to gather), or ``None`` (``Accumulator``).
         fast: The window runs on the fast path, the same on every rank: with ``overlap``,
             ``ready(i)`` is called during the last backward (``AllReduce`` then learns the order
-            in which the gradients become final).
+            in which the gradients become final). Such a window is run by one call, from
+            ``begin`` to ``finish`` (``AllReduce`` starts its fingerprint at ``begin``).
         index: The window's index: ``AccumState.window`` for an ``Accumulator``, the number of
             windows it opened before for a function of ``accumulate``. Ranks at different
             indices are out of step: a ``Comm`` from [`connect()`][gradaccum.sync.Window.connect]

@@ -47,6 +47,7 @@ __all__ = [
     "bucket_what",
     "in_flight",
     "settle",
+    "to_device",
 ]
 
 
@@ -89,11 +90,45 @@ WINDOW = "window index "  # the first line of a window's description: the window
 
 
 class Probe(NamedTuple):
-    """A fingerprint exchange in flight."""
+    """A fingerprint exchange in flight.
+
+    On CUDA, ``host`` (pinned) receives the result on a side stream that waits for the
+    collective only, and ``event`` marks the copy done: reading it waits for the exchange, not
+    for the compute queued since. Elsewhere both are ``None`` and ``tensor`` is read directly.
+    """
 
     work: Any
     tensor: torch.Tensor
     desc: tuple[str, ...]
+    host: torch.Tensor | None = None
+    event: Any = None
+
+
+# One side stream per CUDA device, on which fingerprints are copied back to the host.
+_SIDE: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE.get(index)
+    if stream is None:
+        stream = _SIDE[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+    return stream
+
+
+def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``, without a host sync.
+
+    On CUDA the numbers go through pinned memory with a non-blocking copy, ordered on the
+    current stream (``torch.tensor(..., device=)`` would copy from pageable memory and wait for
+    the device); on the CPU it is a plain tensor.
+    """
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 class Comm:
@@ -212,11 +247,13 @@ class Comm:
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
-        with self.failing(what):
+        try:  # failing(what), written out: this runs for every bucket of every window
             if self.timeout is None:
                 work.wait()
             else:  # the collective fails by itself after its timeout; this bound is a second line
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            raise self.broken(what, err) from err
         works = _IN_FLIGHT.get(self.group)
         if works:
             works[:] = [w for w in works if w is not work]
@@ -284,14 +321,31 @@ class Comm:
         and metric names come first (for a ``Comm`` made by ``Window.connect``). ``None`` with
         ``check="never"``. Wait for it with [`agree()`][gradaccum.sync.Comm.agree] before any
         collective whose size depends on what ``desc`` describes.
+
+        Nothing here waits for the device: on CUDA the fingerprint goes up from pinned memory,
+        and its result comes back to pinned memory on a side stream that waits for the
+        collective alone. Start it early (a window's first micro-batch, say), and ``agree``
+        later reads it at the cost of the exchange, not of the compute queued in between.
         """
         if self.check == "never":
             return None
         desc = self.lines(desc)
         h = digest(desc) >> 2  # fits in int64 with its negation
-        tensor = torch.tensor([h, -h], dtype=torch.int64, device=device)
+        tensor = to_device([h, -h], torch.int64, device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
-        return Probe(work, tensor, desc)
+        if tensor.device.type != "cuda" or "nccl" not in str(dist.get_backend(self.group)):
+            return Probe(work, tensor, desc)
+        # The result comes back on a side stream that waits for this collective alone (NCCL's
+        # Work.wait makes the current stream wait, not the host), into pinned memory: agree()
+        # then waits for that copy, not for the compute stream.
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        side, event = _side_stream(tensor.device), torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side), self.failing(FINGERPRINT):
+            work.wait()  # the side stream waits for the collective (the host does not)
+            host.copy_(tensor, non_blocking=True)
+            event.record(side)
+        tensor.record_stream(side)
+        return Probe(work, tensor, desc, host, event)
 
     def agree(self, probe: Probe | None, subject: str = "gradients to synchronise") -> None:
         """Wait for a fingerprint exchange; when the ranks differ, raise naming the difference.
@@ -299,11 +353,19 @@ class Comm:
         With ``check="full"`` the descriptions themselves are compared (a debug mode that does
         not rely on the 62-bit hash). On a mismatch every rank raises
         [`GradAccumError`][gradaccum.GradAccumError] and no collective of the window was sent.
+
+        The window's one host read for its fingerprint: on CUDA it waits for the probe's copy
+        (an event on the side stream), not for the compute stream. With a ``timeout`` the wait
+        for the collective blocks the host, bounded by it, as every ``Comm.wait`` does.
         """
         if probe is None:
             return
         self.wait(probe.work, FINGERPRINT)
-        hi, neg_lo = probe.tensor.tolist()
+        if probe.event is not None:  # CUDA: wait for the side stream's copy, then read it
+            probe.event.synchronize()
+            hi, neg_lo = probe.host.tolist()  # type: ignore[union-attr]
+        else:
+            hi, neg_lo = probe.tensor.tolist()
         if hi == -neg_lo and self.check != "full":
             return
         self.compare(probe.desc, subject)
@@ -344,17 +406,18 @@ class Comm:
     def fill(self, tail: torch.Tensor, weight: Any, failed: bool) -> None:
         """Write the boundary's tail, ``[weight, failed, *metric sums]``, into ``tail``.
 
-        No host sync: a tensor weight is copied on the device. The metric sums are those of the
-        bound window (``Window.connect``; zeros for those not given: a failed rank); ``tail``
-        has room for them. Every sync's tail is written here, wherever it travels (its own
+        No host sync: a tensor weight is copied on the device, a number is written by ``fill_``
+        (an index assignment would copy it from the host and wait). The metric sums are those
+        of the bound window (``Window.connect``; zeros for those not given: a failed rank);
+        ``tail`` has room for them. Every sync's tail is written here, wherever it travels (its own
         all-reduce, or the end of the last gradient bucket);
         [`read()`][gradaccum.sync.Comm.read] reads it back.
         """
         if isinstance(weight, torch.Tensor):
-            tail[:1].copy_(weight.reshape(1))
-        else:
-            tail[0] = weight
-        tail[1] = 1.0 if failed else 0.0
+            tail[:1].copy_(weight.reshape(1), non_blocking=True)
+        else:  # fill_ takes the number as a kernel argument: tail[0] = weight would copy it
+            tail[:1].fill_(weight)
+        tail[1:2].fill_(1.0 if failed else 0.0)
         window = self.window
         if window is not None and window.spec.metrics:
             m = _metrics.width(window.spec)
@@ -391,7 +454,7 @@ class Comm:
         """
         window = self.window
         m = _metrics.width(window.spec) if window is not None and window.spec.metrics else 0
-        tail = torch.tensor([0.0] * (TAIL + m) + list(extra), dtype=torch.float64, device=device)
+        tail = to_device([0.0] * (TAIL + m) + list(extra), torch.float64, device)
         self.fill(tail, weight, failed)
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
         out = list(tail.tolist())

@@ -570,7 +570,10 @@ class Step:
         self.optimizer.zero_grad(set_to_none=True)
         now = time.perf_counter()
         seconds, self._since = now - (self._since or now), now
-        return StepStats(totals.window, loss, items, micro, float(norm), lr, seconds)
+        # Read once the optimizer's step is queued behind it: on a device the host then waits
+        # for the norm alone, and the device still has the step to run (no drained queue).
+        grad_norm = float(norm)
+        return StepStats(totals.window, loss, items, micro, grad_norm, lr, seconds)
 
     def state_dict(self) -> dict[str, Any]:
         """The model, optimizer, scheduler and the window in progress (its running sums).

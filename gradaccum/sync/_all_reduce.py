@@ -15,7 +15,7 @@ from .. import _metrics, _tree
 from .._checks import Check, check_options, positive
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
-from .._dist.comm import Probe, bucket_what
+from .._dist.comm import Probe, bucket_what, to_device
 from .._dist.mesh import axis, check_group
 from .._errors import describe, is_mesh
 from .._layout import make_layout
@@ -113,6 +113,7 @@ class BucketWindow(Window):
         self.hinted = spec.fast and spec.reduction == "mean" and spec.layout.wide
         if self.hinted:
             self.hint = sync._totals.get(spec.layout)
+        self.probing = False  # the fingerprint exchange was started (_probe)
         self.opened = False
         self.sealed = False  # the tail holds the final weight and "no failure" (seal)
         self.bufs: list[torch.Tensor | None] = []
@@ -142,22 +143,44 @@ class BucketWindow(Window):
         self.own = (bufs, views)
         return views
 
-    def last(self) -> None:
-        """Open the boundary: start the fingerprint; find the buckets the sums are views of."""
-        if self.opened:
-            return
-        self.opened = True
+    def begin(self, count: int) -> None:
+        """A window run by one call (``spec.fast``): start the fingerprint now.
+
+        The exchange then runs beside the micro-batches, and ``last`` reads it before the last
+        backward at the cost of the exchange alone. An ``Accumulator`` opens a window per
+        ``add``, so its fingerprint starts at the boundary.
+        """
+        if self.spec.fast and not self.probing:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Start the window's fingerprint exchange (once: ``probing`` says it started)."""
+        self.probing = True
         self.comm = self.connect(self.sync.group, self.sync.timeout, self.sync.check)
-        if self.sums is None:  # an empty window still joins, with zero weight
-            self.sums = self.storage(zero=True)
-        plan, sums = self.plan, self.sums
         extra: tuple[str, ...] = ()
         if self.spec.agree_n:
             extra = (f"n={self.spec.n} micro-batches per window",)
         if self.reorder:
             extra += ("the bucket order is agreed at this boundary",)
-        desc = (*plan.description, f"reduction={self.spec.reduction!r}", *extra)
-        self.probe = self.comm.probe(desc, plan.buckets[0].device)
+        desc = (*self.plan.description, f"reduction={self.spec.reduction!r}", *extra)
+        self.probe = self.comm.probe(desc, self.plan.buckets[0].device)
+
+    def last(self) -> None:
+        """Open the boundary: agree on the fingerprint; find the buckets the sums are views of.
+
+        The fingerprint is read here, before the last backward (no bucket starts before the
+        ranks agree, and nothing waits on the host inside a backward).
+        """
+        if self.opened:
+            return
+        self.opened = True
+        if not self.probing:  # an Accumulator's window, or a call that never began
+            self._probe()
+        probe, self.probe = self.probe, None
+        self.comm.agree(probe)  # the ranks' buckets must agree before the first one starts
+        if self.sums is None:  # an empty window still joins, with zero weight
+            self.sums = self.storage(zero=True)
+        plan, sums = self.plan, self.sums
         own = self.own
         if own is not None and all(a is b for a, b in zip(sums, own[1])):
             self.bufs = list(own[0])  # the views storage() made: no need to check them
@@ -195,9 +218,6 @@ class BucketWindow(Window):
                 self._launch(nxt)
 
     def _launch(self, k: int) -> None:
-        if self.probe is not None:  # the ranks' buckets must agree before the first one
-            probe, self.probe = self.probe, None
-            self.comm.agree(probe)
         buf = self.bufs[k]
         assert buf is not None
         what = bucket_what("boundary all_reduce", self.plan.buckets, k)
@@ -266,7 +286,7 @@ class BucketWindow(Window):
             pos[i] = float(p)
         agreed = pos
         if self.comm.world > 1:
-            sums = torch.tensor(pos, dtype=torch.float64, device=self.plan.buckets[0].device)
+            sums = to_device(pos, torch.float64, self.plan.buckets[0].device)
             what = "the bucket order all_reduce"
             self.comm.wait(self.comm.all_reduce(sums, what, "bucket order"), what)
             agreed = sums.tolist()
@@ -320,12 +340,13 @@ def all_reduce(
     """Average (or sum) accumulated gradients over a process group, once per window.
 
     Pass the result as ``sync=`` to [`accumulate()`][gradaccum.accumulate] or
-    [`Accumulator`][gradaccum.Accumulator]. Inside a window nothing is communicated; at the
-    boundary the window's running sums, which already live in flat contiguous buckets, are
-    summed over the group with one asynchronous ``torch.distributed.all_reduce`` per bucket, in
-    place. The window's weight (rows under ``mean``, counts under ``count``) travels in the last
-    bucket, so the result is the gradient over the *global* batch: exact with unequal rows or
-    tokens per rank, and a rank with an empty window contributes zero weight. The metrics of
+    [`Accumulator`][gradaccum.Accumulator]. Inside a window no gradient is communicated (the
+    window's 16-byte fingerprint starts with it); at the boundary the window's running sums,
+    which already live in flat contiguous buckets, are summed over the group with one
+    asynchronous ``torch.distributed.all_reduce`` per bucket, in place. The window's weight
+    (rows under ``mean``, counts under ``count``) travels in the last bucket, so the result is
+    the gradient over the *global* batch: exact with unequal rows or tokens per rank, and a rank
+    with an empty window contributes zero weight. The metrics of
     [`Accumulator.add()`][gradaccum.Accumulator.add] travel there too.
 
     Leaves fill the buckets in reverse natural order of their key paths (``layers.10`` after
