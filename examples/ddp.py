@@ -2,15 +2,17 @@
 
 Every rank holds its shard of each global batch (here generated from a shared seed, so that the
 ranks agree without communicating), splits it into ``-n`` micro-batches and accumulates their
-gradient with ``gradaccum.accumulate(..., sync=gradaccum.all_reduce())``. Nothing is
-communicated inside the window; at the boundary the window's gradient sums and its rows travel
-in one ``all_reduce`` per 25 MiB bucket (one here), so every rank gets the gradient of the mean
-loss over the *global* batch, exact also when the ranks hold unequal rows (``--batch 45`` on 2
-ranks: 23 and 22). Then, on every rank alike: ``gradaccum.boundary.clip_by_global_norm``,
-``gradaccum.write_grads``, a ``torch.optim`` optimizer step and an LR scheduler step, once per
-window. The step function is ``gradaccum.grad_and_value``: each micro-batch's backward adds into
-the boundary buckets in place, and the all_reduce of each bucket starts as soon as the last
-micro-batch's backward has produced it.
+gradient with ``gradaccum.accumulate(..., sync=gradaccum.all_reduce())``. No gradient is
+communicated inside the window (only the ranks' 16-byte fingerprint, started as the window
+opens, so that it is agreed before the last backward without waiting); at the boundary the
+window's gradient sums and its rows travel in one ``all_reduce`` per 25 MiB bucket (one here),
+so every rank gets the gradient of the mean loss over the *global* batch, exact also when the
+ranks hold unequal rows (``--batch 45`` on 2 ranks: 23 and 22). Then, on every rank alike:
+``gradaccum.boundary.clip_by_global_norm``, ``gradaccum.write_grads``, a ``torch.optim``
+optimizer step and an LR scheduler step, once per window. The step function is
+``gradaccum.grad_and_value``: each micro-batch's backward adds into the boundary buckets in
+place, and the all_reduce of each bucket starts as soon as the last micro-batch's backward has
+produced it.
 
 The backend follows the device: NCCL on ``cuda:LOCAL_RANK`` when there is a GPU per local rank,
 otherwise gloo on the CPU (pinned to the loopback interface when all ranks run on this machine).
@@ -162,10 +164,11 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     optimizer, scheduler = make_optimizer(model, args.steps)
 
     per_step: list[list[gradaccum.sync.Collective]] = []  # what gradaccum sent, window by window
-    inside: list[int] = []  # what each micro-batch's forward found already sent in its window
+    inside: list[int] = []  # the gradient collectives each micro-batch's forward found sent
 
     def loss_fn(params: dict[str, torch.Tensor], batch) -> torch.Tensor:
-        inside.append(len(per_step[-1]))  # runs inside the window: nothing may be sent yet
+        # runs inside the window: no gradient may be sent yet (the fingerprint may)
+        inside.append(sum(1 for c in per_step[-1] if c.purpose != "fingerprint"))
         x, y = batch
         return nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
 
@@ -263,7 +266,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     diff, in_window, per_bucket = worst[0].item(), int(worst[1]), not worst[2].item()
     comm_ok = per_bucket and in_window == 0
     say(
-        f"collectives while micro-batches ran: {in_window} (in {len(inside)} micro-batch "
+        f"gradient collectives while micro-batches ran: {in_window} (in {len(inside)} micro-batch "
         f"calls); the fingerprint and one all_reduce per bucket per step: {per_bucket} "
         f"{'OK' if comm_ok else 'FAILED'}"
     )

@@ -98,7 +98,7 @@ def test_ddp(ranks: int, args: tuple[str, ...], tol: float, tmp_path: Path) -> N
     if ranks == 2:
         assert "global batch 45 rows = [23, 22] per rank" in stdout
     assert "collectives per step after that: 2: all_reduce of 16 bytes (fingerprint" in stdout
-    assert "collectives while micro-batches ran: 0 " in stdout
+    assert "gradient collectives while micro-batches ran: 0 " in stdout
     assert "the fingerprint and one all_reduce per bucket per step: True OK" in stdout
     assert max_difference(stdout) <= tol
 
