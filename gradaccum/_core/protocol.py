@@ -353,7 +353,8 @@ class Window:
         assert sums is not None
         with torch.no_grad():
             _reduce.normalise(spec.reduction, sums, total)  # type: ignore[arg-type]
-            summed, self.state = sync.reduce(spec, sums, self.state, comm)
+            out = sync.reduce(spec, sums, self.state, comm)
+            summed, self.state = _check_reduced(self.where, sync, lay, out)
             return _tree.unflatten(lay.spec, [g.to(d) for g, d in zip(summed, lay.dtypes)])
 
     def abort(self, weight: _reduce.Weight) -> None:
@@ -606,7 +607,44 @@ def _tree_lines(layout: Layout) -> tuple[str, ...]:
 def _describe(sync: Sync, spec: WindowSpec) -> tuple[str, ...]:
     """What the simple tier's fingerprint covers (after the window's index and metrics)."""
     n = (f"n={spec.n} micro-batches per window",) if spec.agree_n else ()
-    return (*_tree_lines(spec.layout), f"reduction={spec.reduction!r}", *n, *sync.describe())
+    lines = sync.describe()
+    if not isinstance(lines, (tuple, list)) or not all(isinstance(x, str) for x in lines):
+        raise TypeError(
+            f"{spec.where}: {sync.name}.describe() must return a tuple of strings (the sync's "
+            f"options that every rank must agree on), got {describe(lines)}; return e.g. "
+            f'(f"compress={{self.compress}}",), or () for none.'
+        )
+    return (*_tree_lines(spec.layout), f"reduction={spec.reduction!r}", *n, *lines)
+
+
+def _check_reduced(where: str, sync: Sync, lay: Layout, out: Any) -> tuple[list[torch.Tensor], Any]:
+    """What a simple-tier ``reduce`` returned: ``(summed, state)``, one tensor per leaf."""
+    call = f"{sync.name}.reduce(spec, shares, state, comm)"
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(
+            f"{where}: {call} must return a pair (summed, state), got {describe(out)}; return "
+            f"the summed tensors, one per leaf, and the state for the next window (None if it "
+            f"keeps none)."
+        )
+    summed, state = out
+    k = len(lay.shapes)
+    if (
+        not isinstance(summed, (list, tuple))
+        or len(summed) != k
+        or not all(isinstance(t, torch.Tensor) for t in summed)
+    ):
+        raise TypeError(
+            f"{where}: {call} returned {describe(summed)} as the summed gradients; expected a "
+            f"list of {k} tensors, one per leaf in spec.layout order, each shaped like its share."
+        )
+    for path, t, shape in zip(lay.paths, summed, lay.shapes):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(
+                f"{where}: {call} returned a tensor of shape {tuple(t.shape)} for leaf {path}, "
+                f"whose share has shape {tuple(shape)}; return one tensor per leaf, shaped like "
+                f"its share (reshape what a collective gave back)."
+            )
+    return list(summed), state
 
 
 def check_sync(where: str, sync: object) -> None:
