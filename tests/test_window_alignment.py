@@ -244,7 +244,7 @@ def test_the_window_index_is_in_the_fingerprint_description() -> None:
     state = acc.init({"w": torch.zeros(2, dtype=F64)})
     state = acc.add(state._replace(window=7), {"w": torch.ones(2, dtype=F64)}, size=1)
     window = acc._window("here", state, 1)
-    window.last()
+    window._probe()  # what last() starts (and reads) when nothing started it before
     probe = window.probe
     assert probe is not None
     window.comm.agree(probe)
