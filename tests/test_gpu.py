@@ -436,16 +436,21 @@ class SyncErrors:
         torch.cuda.set_sync_debug_mode(0)
 
 
+def accumulator_case(n: int) -> tuple[Any, ...]:
+    """An all-reduce ``Accumulator``, its params and batch, and each micro-batch's (grads, loss)."""
+    params = mlp_params()
+    batch = regression()
+    acc = gradaccum.Accumulator(n=n, sync=gradaccum.all_reduce(bucket_mb=0.01))
+    micro = list(zip(batch[0].chunk(n), batch[1].chunk(n)))
+    values = [torch.func.grad_and_value(mlp_loss)(params, mb) for mb in micro]
+    return params, batch, acc, acc.init(params), micro, values
+
+
 @cuda_only
 @pytest.mark.parametrize("metrics", [False, True], ids=["plain", "metrics"])
 def test_accumulator_add_in_the_middle_of_a_window_does_not_sync(metrics: bool) -> None:
-    params = mlp_params()
-    batch = regression()
     n = 4
-    acc = gradaccum.Accumulator(n=n, sync=gradaccum.all_reduce(bucket_mb=0.01))
-    state = acc.init(params)
-    micro = list(zip(batch[0].chunk(n), batch[1].chunk(n)))
-    values = [torch.func.grad_and_value(mlp_loss)(params, mb) for mb in micro]
+    params, batch, acc, state, micro, values = accumulator_case(n)
     for window in range(2):
         extra = {"metrics": {"loss": values[0][1].detach()}} if metrics else {}
         state = acc.add(state, values[0][0], size=len(micro[0][0]), **extra)  # opens the window
@@ -544,13 +549,8 @@ def test_a_window_syncs_only_at_its_tail(sync: str, n: int) -> None:
 
 @cuda_only
 def test_an_accumulator_window_syncs_only_at_its_tail() -> None:
-    params = mlp_params()
-    batch = regression()
     n = 4
-    acc = gradaccum.Accumulator(n=n, sync=gradaccum.all_reduce(bucket_mb=0.01))
-    state = acc.init(params)
-    micro = list(zip(batch[0].chunk(n), batch[1].chunk(n)))
-    values = [torch.func.grad_and_value(mlp_loss)(params, mb) for mb in micro]
+    params, batch, acc, state, micro, values = accumulator_case(n)
     for window in range(3):
         with UntilTheTail() as tail:
             for (g, loss), (x, _) in zip(values, micro):
