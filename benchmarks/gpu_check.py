@@ -21,8 +21,10 @@ script goes on):
    8 x 512 tokens), fp32 params under ``torch.autocast(bfloat16)``, AdamW (fused), n = 1, 4, 16:
    the hand-written ``(loss / n).backward()`` loop, DDP (NCCL, world size 1) with ``no_sync``
    but on the last micro-batch, and ``accumulate(grad_and_value(loss), n, has_aux=True,
-   sync=all_reduce())`` + ``write_grads``, interleaved round-robin, median ms/step; the peak
-   memory of each step; the compute floor (n x one micro-batch's forward and backward).
+   sync=all_reduce())`` + ``write_grads``, and the same with ``sync=None`` (no collective and
+   no host read: what is left is the per-micro-batch Python), interleaved round-robin, median
+   ms/step; the peak memory of each step; the compute floor (n x one micro-batch's forward and
+   backward).
 4. ``timeout``: children with ``timeout=1`` behind a 5 s kernel: does a ``GradAccumError``
    come, does the process survive NCCL's watchdog, its exit code.
 
@@ -522,6 +524,8 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
     ddp = DDP(ddp_base, device_ids=[C.device.index] if C.cuda else None)
     ours_model, ours_opt = make()
     params = gradaccum.params_of(ours_model)
+    local_model, local_opt = make()  # sync=None: the same step without the boundary's host read
+    local_params = gradaccum.params_of(local_model)
     n_params = sum(p.numel() for p in hand_model.parameters())
 
     def lm_loss(p: Any, batch: Any) -> torch.Tensor:
@@ -530,10 +534,19 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
             logits, _ = gradaccum.call_module(ours_model, p, {}, x)
         return ce(logits, y)
 
+    def local_loss(p: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with amp:
+            logits, _ = gradaccum.call_module(local_model, p, {}, x)
+        return ce(logits, y)
+
     sync = gradaccum.all_reduce()
     ours_steps = {
         n: gradaccum.accumulate(gradaccum.grad_and_value(lm_loss), n, has_aux=True, sync=sync)
         for n in ns
+    }
+    local_steps = {
+        n: gradaccum.accumulate(gradaccum.grad_and_value(local_loss), n, has_aux=True) for n in ns
     }
 
     def hand(n: int) -> None:
@@ -563,13 +576,19 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
         ours_opt.step()
         ours_opt.zero_grad(set_to_none=True)
 
+    def local(n: int) -> None:
+        grads, _ = local_steps[n](local_params, data[n])
+        gradaccum.write_grads(local_model, grads)
+        local_opt.step()
+        local_opt.zero_grad(set_to_none=True)
+
     def micro() -> None:  # the compute floor: one micro-batch's forward and backward alone
         x, y = chunks[1][0]
         with amp:
             logits = hand_model(x)
         ce(logits, y).backward()
 
-    contenders = {"hand": hand, "ddp": ddp_step, "gradaccum": ours}
+    contenders = {"hand": hand, "ddp": ddp_step, "gradaccum": ours, "gradaccum-local": local}
     times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
     peak: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
     before: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}

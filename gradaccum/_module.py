@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +21,9 @@ _HANDED_OUT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list[weakref.r
 _HANDED_OUT = weakref.WeakKeyDictionary()
 
 _MAX_NAMES = 8  # names listed in a message before "..."
+
+# Each module's _Slots (weak: a dropped module is forgotten), built at its first call_module.
+_SLOTS: weakref.WeakKeyDictionary[torch.nn.Module, _Slots] = weakref.WeakKeyDictionary()
 
 __all__ = ["buffers_of", "call_module", "params_of", "update_buffers", "write_grads"]
 
@@ -96,9 +101,136 @@ def _base(t: Any) -> Any:
     return t
 
 
+class _Slots:
+    """Where each parameter and buffer of a module lives: what ``call_module`` swaps, built once.
+
+    ``torch.func.functional_call`` walks the whole module tree twice per call (to find tied
+    tensors, then each name's submodule): on a model of a few hundred tensors that is about a
+    millisecond of Python per micro-batch, as much as the forward's own kernel launches on a GPU.
+    A ``_Slots`` walks it once and keeps, for each name, the dict that holds the tensor.
+
+    The tree can change between calls (a submodule replaced, a parameter registered, removed or
+    untied, ``module.to()`` on a module whose conversion replaces the parameters):
+    ``current()`` checks, with two passes in C (``map``), that every child module, parameter
+    and buffer is still the object it was and every dict still has its size, and the caller
+    builds a new one otherwise.
+
+    Attributes:
+        where: Each name (tied names included) -> (the ``_parameters`` or ``_buffers`` dict that
+            holds it, its key there).
+        params: The module's parameters by name, one name per tensor (``named_parameters()``).
+        buffers: Its buffers' names, one per tensor (``named_buffers()``).
+        tied: Each name of a tensor that has several -> all of its names.
+        fsdp: Some submodule is wrapped with FSDP2's ``fully_shard`` (its hooks must be lifted).
+    """
+
+    __slots__ = (
+        "_dicts",
+        "_keys",
+        "_values",
+        "_stores",
+        "_sizes",
+        "_trainable",
+        "_accepted",
+        "where",
+        "params",
+        "buffers",
+        "tied",
+        "fsdp",
+    )
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._dicts: list[dict[str, Any]] = []  # each entry of each store, to check its identity
+        self._keys: list[str] = []
+        self._values: list[Any] = []
+        self._stores: list[dict[str, Any]] = []
+        self.where: dict[str, tuple[dict[str, Any], str]] = {}
+        by_tensor: dict[int, list[str]] = {}
+        self.fsdp = False
+        for name, sub in module.named_modules(remove_duplicate=False):
+            prefix = f"{name}." if name else ""
+            self.fsdp = self.fsdp or callable(getattr(sub, "_get_fsdp_state", None))
+            for store in (sub._parameters, sub._buffers, sub._modules):
+                self._stores.append(store)
+                for key, value in store.items():
+                    self._dicts.append(store)
+                    self._keys.append(key)
+                    self._values.append(value)
+            for store in (sub._parameters, sub._buffers):
+                for key, value in store.items():
+                    if value is not None:
+                        self.where[prefix + key] = (store, key)
+                        by_tensor.setdefault(id(value), []).append(prefix + key)
+        self._sizes = list(map(len, self._stores))
+        self.params = dict(module.named_parameters())
+        self.buffers = frozenset(dict(module.named_buffers()))
+        self.tied = {k: names for names in by_tensor.values() if len(names) > 1 for k in names}
+        self._trainable: list[bool] = []
+        self._accepted: tuple[Any, ...] = ()  # the last key sets that passed the strict check
+
+    def current(self) -> bool:
+        """Every module, parameter and buffer is where (and what) it was when this was built."""
+        return list(map(len, self._stores)) == self._sizes and all(
+            map(operator.is_, map(dict.get, self._dicts, self._keys), self._values)
+        )
+
+    def check_keys(self, where: str, params: Mapping[str, Any], buffers: Mapping[str, Any]) -> None:
+        """With ``strict``: every key names a tensor of the module, every trainable one is given."""
+        trainable = [p.requires_grad for p in self.params.values()]
+        given = (tuple(params), tuple(buffers))
+        if trainable == self._trainable and given == self._accepted:
+            return
+        known = self.params.keys() | self.buffers
+        unknown = (set(params) | set(buffers)) - known
+        needed = {k for k, p in self.params.items() if p.requires_grad}
+        missing = needed - set(params) - set(buffers)
+        if unknown or missing:
+            raise ValueError(
+                f"{where}: params and buffers do not match the module's names: missing "
+                f"trainable parameters {_names(missing)}, unknown keys {_names(unknown)}; a "
+                f"misspelled or missing key would silently get no gradient. Pass "
+                f"gradaccum.params_of(module) and gradaccum.buffers_of(module), or strict=False "
+                f"to use the module's own tensors for missing names and ignore unknown ones."
+            )
+        self._trainable, self._accepted = trainable, given
+
+    @contextlib.contextmanager
+    def swapped(self, given: dict[str, Any]) -> Iterator[None]:
+        """The module with the tensors of ``given`` (tied names all swapped) in place."""
+        done: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for name, value in given.items():
+                for twin in self.tied.get(name, (name,)):
+                    store, key = self.where[twin]
+                    done.append((store, key, store[key]))
+                    store[key] = value
+            yield
+        finally:
+            for store, key, old in reversed(done):
+                store[key] = old
+
+    def fits(self, given: dict[str, Any]) -> bool:
+        """``swapped`` does what ``functional_call`` would: known names, one value per tensor."""
+        where, tied = self.where, self.tied
+        if not all(map(where.__contains__, given)):
+            return False  # unknown keys (strict=False): functional_call sets them as attributes
+        for name in given.keys() & tied.keys():
+            if any(twin in given and given[twin] is not given[name] for twin in tied[name]):
+                return False  # functional_call raises its own error
+        return True
+
+
+def _slots(module: torch.nn.Module) -> _Slots:
+    """The module's ``_Slots``, rebuilt when its tree changed."""
+    slots = _SLOTS.get(module)
+    if slots is None or not slots.current():
+        slots = _SLOTS[module] = _Slots(module)
+    return slots
+
+
 def _check_call(
     module: torch.nn.Module, params: Mapping[str, Any], buffers: Mapping[str, Any], strict: bool
-) -> None:
+) -> _Slots:
     """Refuse wrong kinds, keys the module does not have, missing trainable params, stale params."""
     where = "call_module(module, params, buffers, ...)"
     _check_module(where, module)
@@ -108,23 +240,23 @@ def _check_call(
                 f"{where}: {name} must be a dict of tensors by name, got {describe(value)}; pass "
                 f"gradaccum.{name}_of(module)."
             )
-    own = dict(module.named_parameters())
+    slots = _slots(module)
     if strict:
-        unknown = (set(params) | set(buffers)) - own.keys() - dict(module.named_buffers()).keys()
-        missing = {k for k, v in own.items() if v.requires_grad} - set(params) - set(buffers)
-        if unknown or missing:
-            raise ValueError(
-                f"{where}: params and buffers do not match the module's names: missing "
-                f"trainable parameters {_names(missing)}, unknown keys {_names(unknown)}; a "
-                f"misspelled or missing key would silently get no gradient. Pass "
-                f"gradaccum.params_of(module) and gradaccum.buffers_of(module), or strict=False "
-                f"to use the module's own tensors for missing names and ignore unknown ones."
-            )
-    for k, value in params.items():
-        check_not_dtensor(where, f"params[{k!r}]", value)
+        slots.check_keys(where, params, buffers)
+    values = list(params.values())
+    if not {type(v) for v in values} <= _PLAIN:
+        for k, value in params.items():
+            check_not_dtensor(where, f"params[{k!r}]", value)
     record = _HANDED_OUT.get(module)
     if record is None or torch.compiler.is_compiling():
-        return
+        return slots
+    own = slots.params
+    keys = [k for k in params if k in own]
+    try:  # the usual case, in C: every value shares its parameter's storage
+        if len(keys) == len(values) and list(map(_PTR, values)) == [_PTR(own[k]) for k in keys]:
+            return slots
+    except RuntimeError:  # a torch.func wrapper, or a tensor without storage: look one by one
+        pass
     for k, value in params.items():
         refs, p = record.get(k), own.get(k)
         if not refs or p is None or not isinstance(value, torch.Tensor):
@@ -143,6 +275,11 @@ def _check_call(
                 f"params = gradaccum.params_of(module) again after moving the module (and "
                 f"rebuild the optimizer on its parameters)."
             )
+    return slots
+
+
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
+_PTR = torch.Tensor.data_ptr
 
 
 def call_module(
@@ -162,6 +299,10 @@ def call_module(
     micro-batch, outside the gradient transform: inside the step function given to
     [`accumulate()`][gradaccum.accumulate] (second example), not as its aux, whose reductions
     would average ``n`` updates instead of chaining them.
+
+    The module's tree is walked once, at the first call, to find where each parameter and buffer
+    lives; later calls only check that nothing there was replaced (a changed tree is walked
+    again), so the per-call cost is a swap of the given tensors, not a walk of the model.
 
     Args:
         module: The module whose forward to run.
@@ -212,10 +353,15 @@ def call_module(
         >>> int(bn.num_batches_tracked)  # 1 + 4 micro-batches
         5
     """
-    _check_call(module, params, buffers, strict)
+    slots = _check_call(module, params, buffers, strict)
     fresh = {k: v.clone() for k, v in buffers.items()}
-    with quiet_fsdp(module):
-        out = functional_call(module, ({**params, **fresh},), args, kwargs, strict=False)
+    given = {**params, **fresh}
+    if slots.fsdp or torch.compiler.is_compiling() or not slots.fits(given):
+        with quiet_fsdp(module):  # torch's own swap (and its errors), which Dynamo traces
+            out = functional_call(module, (given,), args, kwargs, strict=False)
+        return out, fresh
+    with slots.swapped(given):
+        out = module(*args, **kwargs)
     return out, fresh
 
 

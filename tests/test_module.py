@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from models import F64, max_diff
 from torch.func import functional_call, grad, grad_and_value
@@ -116,3 +119,84 @@ def test_update_buffers_accepts_a_module() -> None:
     bn = torch.nn.BatchNorm1d(2)
     gradaccum.update_buffers(bn, {"running_mean": torch.ones(2)})
     assert torch.equal(bn.running_mean, torch.ones(2))
+
+
+# -- call_module's cached slots (issue 28: no module walk per call) ------------------------------
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and an output head that share one weight, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.mid = torch.nn.Linear(3, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("shift", torch.ones(3))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(idx)) + self.shift))
+
+
+def test_call_module_equals_functional_call_with_tied_weights() -> None:
+    torch.manual_seed(0)
+    model = _Tied().to(F64)
+    idx = torch.tensor([0, 3, 4])
+    params = {k: v + 0.5 for k, v in gradaccum.params_of(model).items()}  # others than the module's
+    assert "head.weight" not in params  # one name per tied tensor, as named_parameters gives
+    for _ in range(3):  # the first call builds the slots, the later ones reuse them
+        out, _ = gradaccum.call_module(model, params, gradaccum.buffers_of(model), idx)
+        want = functional_call(model, {**params, **gradaccum.buffers_of(model)}, (idx,))
+        assert torch.equal(out, want)
+    # The module's own tensors are back in place after each call.
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model(idx), functional_call(model, dict(model.named_parameters()), (idx,)))
+
+
+def test_call_module_follows_a_replaced_submodule_and_a_new_parameter() -> None:
+    torch.manual_seed(0)
+    layers = (torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    model = torch.nn.Sequential(*layers).to(F64)
+    x = torch.randn(4, 2, dtype=F64)
+    gradaccum.call_module(model, gradaccum.params_of(model), {}, x)
+    model[2] = torch.nn.Linear(3, 2).to(F64)  # replaced after the slots were built
+    params = gradaccum.params_of(model)
+    out, _ = gradaccum.call_module(model, params, {}, x)
+    assert out.shape == (4, 2)
+    assert torch.equal(out, model(x))
+    model[0].register_parameter("extra", torch.nn.Parameter(torch.zeros(1, dtype=F64)))
+    with pytest.raises(ValueError, match=re.escape("missing trainable parameters ['0.extra']")):
+        gradaccum.call_module(model, params, {}, x)  # the new parameter is seen, and missing
+
+
+def test_call_module_sees_a_parameter_unfrozen_between_calls() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)).to(F64)
+    model[0].bias.requires_grad_(False)
+    params, x = gradaccum.params_of(model), torch.randn(3, 2, dtype=F64)
+    gradaccum.call_module(model, params, {}, x)
+    model[0].bias.requires_grad_(True)  # no new object: only requires_grad changed
+    with pytest.raises(ValueError, match=re.escape("missing trainable parameters ['0.bias']")):
+        gradaccum.call_module(model, params, {}, x)
+
+
+def test_call_module_puts_the_module_back_when_the_forward_raises() -> None:
+    class Boom(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Boom(2, 1))
+    own = dict(model.named_parameters())
+    params = {k: torch.zeros_like(v) for k, v in own.items()}
+    with pytest.raises(RuntimeError, match="boom"):
+        gradaccum.call_module(model, params, {}, torch.randn(3, 2))
+    assert all(p is own[k] for k, p in model.named_parameters())
+
+
+def test_call_module_unknown_keys_without_strict_go_through_functional_call() -> None:
+    model = torch.nn.Linear(2, 1).to(F64)
+    x = torch.randn(3, 2, dtype=F64)
+    params = {**gradaccum.params_of(model), "not_there": torch.zeros(1, dtype=F64)}
+    out, _ = gradaccum.call_module(model, params, {}, x, strict=False)
+    assert torch.equal(out, model(x))
+    assert not hasattr(model, "not_there")  # set for the call only, as functional_call does

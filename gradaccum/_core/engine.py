@@ -138,6 +138,8 @@ class WindowRun:
         self.hooks: list[Any] = []  # the hooks removed when the leaves are re-aliased
         self.first: dict[int, Any] = {}  # the hooks that hand the first gradients to the window
         self.reporting = False  # the last backward runs, with overlap: report ready leaves
+        self.zeroed = False  # the sums take the first backward in place (Window.prepare)
+        self.seeded = True  # the backward's seed carries the scale (see _backward)
 
     # -- the window's life -----------------------------------------------------------------------
 
@@ -247,10 +249,11 @@ class WindowRun:
     def _fast(self, micro: list[tuple[Any, int]]) -> None:
         """A torch.autograd step function: backward straight into the window.
 
-        A native leaf has the adopted first gradient as ``.grad``, into which the later
-        backwards add in place; any other goes through ``Window.grad`` (a hook). When the
-        window allocates its storage up front, each first gradient is moved into it by a hook as
-        autograd produces it, so that it is freed at once; otherwise the first gradients are
+        A native leaf has its running sum as ``.grad``, into which the backwards add in place;
+        any other goes through ``Window.grad`` (a hook). The sum is the window's zeroed storage
+        when ``Window.prepare`` says so (flat buckets: no hook at all); else, when the window
+        allocates uninitialised storage up front, each first gradient is moved into it by a hook
+        as autograd produces it, so that it is freed at once; otherwise the first gradients are
         adopted as the sums after the first backward. With ``overlap``, a hook reports each leaf
         ready during the last backward.
         """
@@ -258,9 +261,14 @@ class WindowRun:
         assert window is not None
         assert opts.fast is not None
         fn, lay, batch_argnum = opts.fast, window.layout, opts.batch_argnum
-        same = lay.same_dtypes
-        self.native = native = [same and not window.streams(i) for i in range(len(lay.shapes))]
-        window.prepare(zero=not all(native))
+        # Per leaf: a leaf that accumulates in its own dtype takes its gradient in place, whatever
+        # the other leaves' dtypes; only the others (and streamed ones) run a hook per backward.
+        self.native = native = [
+            acc == dt and not window.streams(i)
+            for i, (acc, dt) in enumerate(zip(lay.accum_dtypes, lay.dtypes))
+        ]
+        self.seeded = lay.same_dtypes or any(native)
+        self.zeroed = window.prepare(zero=not all(native))
         argnum = opts.argnum
         given = self.args[argnum] if argnum is not None else None
         guard = CheckpointGuard(call)
@@ -307,11 +315,14 @@ class WindowRun:
     ) -> None:
         """Backward of ``value`` into the leaves, its gradient scaled by ``scale``.
 
-        When every leaf accumulates in its own dtype, the seed carries the scale (no rounding
-        other than the sums'); otherwise the ``Window.grad`` hooks apply it.
+        When any leaf accumulates in place (in its own dtype), the seed carries the scale, as
+        ``(loss * scale).backward()`` would, and the ``Window.grad`` hooks of the other leaves
+        add with ``alpha`` 1. When none does (every leaf is low-precision with a wider
+        accumulation dtype), the seed is 1 and the hooks apply the scale in the wider dtype, so
+        that no scale is rounded into a float16/bfloat16 gradient.
         """
         seed = None
-        if self.window.layout.same_dtypes:  # type: ignore[union-attr]
+        if self.seeded:
             key = (scale, value.dtype, value.device)
             seed = self.seeds.get(key)
             if seed is None:
@@ -336,12 +347,14 @@ class WindowRun:
         self.hooks.extend(
             _hook(leaf, self._on_grad, i) for i, leaf in enumerate(leaves) if not native[i]
         )
-        if j == 0:
+        if j == 0 and not self.zeroed:
             if window.sums is not None:  # storage up front: move each first gradient into it
                 for i, leaf in enumerate(leaves):
                     if native[i]:
                         self.first[i] = _hook(leaf, self._on_first, i)
-        else:  # the running sums carry over to the new leaves
+        else:  # autograd adds into the running sums (zeros before the first backward)
+            if j == 0:
+                self.adopted.update(i for i in range(len(leaves)) if native[i])
             sums = window.sums
             assert sums is not None
             for i, leaf in enumerate(leaves):

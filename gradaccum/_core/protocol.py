@@ -105,10 +105,11 @@ class Window:
         - generic (the step function returns a gradient tree): ``add(grads, alpha)``;
         - fast (backward into the window): first ``streams(i)`` for each leaf and
           ``prepare(zero)`` (which asks ``storage``); during each backward, ``adopt(i, g)``
-          for a leaf's first gradient of the window and ``grad(i, g, alpha)`` for a leaf that
-          does not accumulate in place; before the last backward ``last()``, then
-          ``seal(weight)`` (the weight is final), and with ``overlap``, ``ready(i)`` during it
-          as each leaf's sum becomes final.
+          for a leaf's first gradient of the window (unless ``prepare`` returned True: the
+          leaves then accumulate into ``sums`` from the first backward) and
+          ``grad(i, g, alpha)`` for a leaf that does not accumulate in place; before the last
+          backward ``last()``, then ``seal(weight)`` (the weight is final), and with
+          ``overlap``, ``ready(i)`` during it as each leaf's sum becomes final.
 
        Then ``step()``.
     3. Between the calls of an ``Accumulator``: ``tree(like)`` (what ``AccumState.sums``
@@ -210,10 +211,18 @@ class Window:
             return None
         return [self.layout.zeros(i) for i in range(len(self.layout.shapes))]
 
-    def prepare(self, zero: bool) -> None:
-        """Before the fast path's first backward: allocate the storage (zeroed if ``zero``)."""
-        if self.sums is None:
-            self.sums = self.storage(zero)
+    def prepare(self, zero: bool) -> bool:
+        """Before the fast path's first backward: allocate the storage (zeroed if ``zero``).
+
+        Returns whether ``sums`` can be accumulated into from the first backward (zeros, or the
+        running sums of a restored window): the fast path then sets each in-place leaf's
+        ``.grad`` to its sum before that backward, and needs no ``adopt``. ``False`` (no storage
+        yet, or uninitialised storage): each leaf's first gradient goes through ``adopt``.
+        """
+        if self.sums is not None:
+            return True
+        self.sums = self.storage(zero)
+        return zero and self.sums is not None
 
     def restore(self, sums: list[torch.Tensor]) -> None:
         """Take existing running sums (a state's, or a checkpoint's copies into ``storage``)."""

@@ -143,6 +143,14 @@ class BucketWindow(Window):
         self.own = (bufs, views)
         return views
 
+    def prepare(self, zero: bool) -> bool:
+        """The flat buckets, zeroed whatever ``zero`` says: autograd accumulates into them.
+
+        Zeroing a few flat buckets is a kernel each; moving each leaf's first gradient in
+        instead (``adopt``) takes a Python hook and a copy per leaf.
+        """
+        return super().prepare(zero=True)
+
     def begin(self, count: int) -> None:
         """A window run by one call (``spec.fast``): start the fingerprint now.
 
