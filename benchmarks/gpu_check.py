@@ -21,10 +21,12 @@ script goes on):
    8 x 512 tokens), fp32 params under ``torch.autocast(bfloat16)``, AdamW (fused), n = 1, 4, 16:
    the hand-written ``(loss / n).backward()`` loop, DDP (NCCL, world size 1) with ``no_sync``
    but on the last micro-batch, and ``accumulate(grad_and_value(loss), n, has_aux=True,
-   sync=all_reduce())`` + ``write_grads``, and the same with ``sync=None`` (no collective and
-   no host read: what is left is the per-micro-batch Python), interleaved round-robin, median
-   ms/step; the peak memory of each step; the compute floor (n x one micro-batch's forward and
-   backward).
+   sync=all_reduce())`` + ``write_grads``; as controls, the hand loop with one host read of the
+   window's loss before the optimizer step (``hand+read``: what one host sync per window costs
+   any loop), and gradaccum with ``sync=None`` (no collective, no host read) and with
+   ``all_reduce(overlap=False)`` (no hook in the last backward); all interleaved round-robin,
+   median ms/step; the peak memory of each step; the compute floor (n x one micro-batch's
+   forward and backward).
 4. ``timeout``: children with ``timeout=1`` behind a 5 s kernel: does a ``GradAccumError``
    come, does the process survive NCCL's watchdog, its exit code.
 
@@ -522,32 +524,33 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
     hand_model, hand_opt = make()
     ddp_base, ddp_opt = make()
     ddp = DDP(ddp_base, device_ids=[C.device.index] if C.cuda else None)
-    ours_model, ours_opt = make()
-    params = gradaccum.params_of(ours_model)
-    local_model, local_opt = make()  # sync=None: the same step without the boundary's host read
-    local_params = gradaccum.params_of(local_model)
+    sync_model, sync_opt = make()  # the hand loop with one host read per step (a logged loss)
+
+    def contender(sync: Any) -> Callable[[int], None]:
+        """``accumulate(grad_and_value(loss), n, sync=sync)`` + ``write_grads``, its own model."""
+        model, opt = make()
+        params = gradaccum.params_of(model)
+
+        def loss(p: Any, batch: Any) -> torch.Tensor:
+            x, y = batch
+            with amp:
+                logits, _ = gradaccum.call_module(model, p, {}, x)
+            return ce(logits, y)
+
+        steps = {
+            n: gradaccum.accumulate(gradaccum.grad_and_value(loss), n, has_aux=True, sync=sync)
+            for n in ns
+        }
+
+        def step(n: int) -> None:
+            grads, _ = steps[n](params, data[n])
+            gradaccum.write_grads(model, grads)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
     n_params = sum(p.numel() for p in hand_model.parameters())
-
-    def lm_loss(p: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        with amp:
-            logits, _ = gradaccum.call_module(ours_model, p, {}, x)
-        return ce(logits, y)
-
-    def local_loss(p: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        with amp:
-            logits, _ = gradaccum.call_module(local_model, p, {}, x)
-        return ce(logits, y)
-
-    sync = gradaccum.all_reduce()
-    ours_steps = {
-        n: gradaccum.accumulate(gradaccum.grad_and_value(lm_loss), n, has_aux=True, sync=sync)
-        for n in ns
-    }
-    local_steps = {
-        n: gradaccum.accumulate(gradaccum.grad_and_value(local_loss), n, has_aux=True) for n in ns
-    }
 
     def hand(n: int) -> None:
         for x, y in chunks[n]:
@@ -556,6 +559,18 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
             (ce(logits, y) / n).backward()
         hand_opt.step()
         hand_opt.zero_grad(set_to_none=True)
+
+    def hand_read(n: int) -> None:  # as hand, and the window's loss read on the host
+        total = torch.zeros((), device=C.device)
+        for x, y in chunks[n]:
+            with amp:
+                logits = sync_model(x)
+            loss = ce(logits, y) / n
+            loss.backward()
+            total += loss.detach()
+        total.item()  # the one host read: the queue drains here, before the optimizer step
+        sync_opt.step()
+        sync_opt.zero_grad(set_to_none=True)
 
     def ddp_step(n: int) -> None:
         for i, (x, y) in enumerate(chunks[n]):
@@ -570,25 +585,20 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
         ddp_opt.step()
         ddp_opt.zero_grad(set_to_none=True)
 
-    def ours(n: int) -> None:
-        grads, _ = ours_steps[n](params, data[n])
-        gradaccum.write_grads(ours_model, grads)
-        ours_opt.step()
-        ours_opt.zero_grad(set_to_none=True)
-
-    def local(n: int) -> None:
-        grads, _ = local_steps[n](local_params, data[n])
-        gradaccum.write_grads(local_model, grads)
-        local_opt.step()
-        local_opt.zero_grad(set_to_none=True)
-
     def micro() -> None:  # the compute floor: one micro-batch's forward and backward alone
         x, y = chunks[1][0]
         with amp:
             logits = hand_model(x)
         ce(logits, y).backward()
 
-    contenders = {"hand": hand, "ddp": ddp_step, "gradaccum": ours, "gradaccum-local": local}
+    contenders = {
+        "hand": hand,
+        "hand+read": hand_read,
+        "ddp": ddp_step,
+        "gradaccum": contender(gradaccum.all_reduce()),
+        "gradaccum-local": contender(None),
+        "gradaccum-no-overlap": contender(gradaccum.all_reduce(overlap=False)),
+    }
     times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
     peak: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
     before: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
