@@ -17,10 +17,21 @@ from itertools import accumulate
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._errors import dtype_name
 
-__all__ = ["TAIL", "Bucket", "Plan", "bucket_of", "cut_runs", "leaf_order", "make_plan", "starts"]
+__all__ = [
+    "TAIL",
+    "Bucket",
+    "Plan",
+    "bucket_of",
+    "cut_runs",
+    "group_device",
+    "leaf_order",
+    "make_plan",
+    "starts",
+]
 
 TAIL = 2  # [weight, failed]
 FIRST = 2**20  # bytes: the first bucket's limit, as DDP's (so the first all-reduce starts early)
@@ -66,6 +77,32 @@ class Plan:
     members: tuple[tuple[int, ...], ...]  # leaf indices per bucket
     offsets: tuple[tuple[int, ...], ...]  # element offset of each member in its bucket
     description: tuple[str, ...]  # what the fingerprint covers, one line per item
+
+
+def group_device(group: Any) -> torch.device:
+    """Where a collective on ``group`` takes its tensors when no gradient says: an empty tree's.
+
+    The CPU for gloo (and without torch.distributed, or for a group with a CPU backend beside
+    others, such as ``"cpu:gloo,cuda:nccl"``); for a backend of one accelerator type (NCCL:
+    CUDA, as ``torch.distributed.Backend.default_device_backend_map`` pairs them), the current
+    device of that type, as ``torch.cuda.current_device()``: a CPU tensor cannot reach NCCL.
+    """
+    cpu = torch.device("cpu")
+    if not dist.is_available() or not dist.is_initialized():
+        return cpu
+    pg = dist.group.WORLD if group is None else group
+    if pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return cpu  # not a member: Comm refuses it with its own message
+    backend = str(dist.get_backend(pg))
+    if ":" in backend:  # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
+        kinds = [part.split(":")[0] for part in backend.split(",")]
+        kind = "cpu" if "cpu" in kinds else kinds[0]
+    else:
+        pairs = dist.Backend.default_device_backend_map.items()
+        kind = next((d for d, b in pairs if b == backend), "cpu")  # "cpu": "gloo" comes first
+    if kind == "cpu":
+        return cpu
+    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def _natural_key(path: str) -> tuple[tuple[int, int | str], ...]:
