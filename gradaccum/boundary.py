@@ -333,7 +333,7 @@ class LossScale:
                 if donate:
                     torch._foreach_mul_(group_leaves, scale)
                 else:
-                    group_leaves = torch._foreach_mul(group_leaves, scale)
+                    group_leaves = list(torch._foreach_mul(group_leaves, scale))
                     for i, unscaled in zip(idx, group_leaves):
                         out[i] = unscaled
                 # max |g| per leaf: NaN propagates, finite values do not overflow

@@ -266,8 +266,9 @@ class BucketWindow(Window):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):
                 self.comm.wait(work, bucket_what("boundary all_reduce", self.named, k))
-            for k, wire in self.wires.items():  # back into the accumulation dtype
-                self.bufs[k].copy_(wire)  # type: ignore[union-attr]
+            if self.wires:  # back into the accumulation dtype
+                for k, wire in self.wires.items():
+                    self.bufs[k].copy_(wire)  # type: ignore[union-attr]
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
