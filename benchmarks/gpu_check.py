@@ -8,7 +8,8 @@
 Without CUDA it runs as ``--cpu``. Sections, each guarded (a failing one prints ``FAIL`` and the
 script goes on):
 
-1. ``suite``: ``pytest -m gpu tests/test_gpu.py`` in a subprocess, its summary.
+1. ``suite``: ``pytest -m gpu tests/test_gpu.py tests/test_gpu_boundary.py`` in a subprocess, its
+   summary.
 2. ``syncs``: host syncs per window, counted by ``torch.cuda.set_sync_debug_mode("warn")``
    (CUDA), and host reads located by wrapping ``Tensor.item``/``tolist``/``__bool__``/
    ``__float__``/``__int__``/``cpu``/``numpy`` and ``torch.tensor``/``as_tensor(device=...)``
@@ -171,12 +172,16 @@ def versions() -> dict[str, Any]:
 # -- 1. the gpu suite --------------------------------------------------------------------------
 
 
+# The gpu suite's files (the boundary transforms, dp_noise and the wire dtype in the second).
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_boundary.py"]
+
+
 def suite() -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if not C.cuda:
         env["GRADACCUM_GPU_TEST_ON_CPU"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-q"]
     cmd += ["-p", "no:cacheprovider", "-rfEsxX", "--timeout=60"]
     t = time.perf_counter()
     try:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
+from ._dist.buckets import group_device
 from ._dist.comm import Comm
 from ._dist.mesh import axes, check_group
 from ._errors import describe
@@ -34,13 +35,20 @@ def _leaves(where: str, grads: Any) -> tuple[list[torch.Tensor], _tree.PyTreeSpe
     return leaves, spec
 
 
-def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tuple[T, torch.Tensor]:
+def clip_by_global_norm(
+    grads: T, max_norm: float, *, group: Any = None, donate: bool = False
+) -> tuple[T, torch.Tensor]:
     """Scale ``grads`` so that their global 2-norm is at most ``max_norm``.
 
     The same rule as ``torch.nn.utils.clip_grad_norm_`` (factor
-    ``min(1, max_norm / (norm + 1e-6))``), but pure: new tensors are returned, the input is not
-    modified, and there is no host synchronisation. Apply it to the *window's* gradient, after
-    the boundary, never per micro-batch.
+    ``min(1, max_norm / (norm + 1e-6))``, a device tensor: the norm is never read on the host,
+    and the gradients are always multiplied, by 1 when they are within the bound), with the
+    same foreach kernels, one per (device, dtype). Pure by default: new tensors are returned and
+    the input is not modified. With ``donate=True`` the caller gives ``grads`` up, as with
+    ``jax.jit(..., donate_argnums=...)``: the result is written into their storage (in place,
+    as ``clip_grad_norm_`` does, with no new gradient tree) and the returned leaves are the
+    given tensors. The call reads the same either way, ``grads, norm = clip_by_global_norm(grads,
+    ...)``. Apply it to the *window's* gradient, after the boundary, never per micro-batch.
 
     Args:
         grads: A pytree of floating tensors.
@@ -51,14 +59,18 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
             is that of the whole gradient, from one one-element ``all_reduce`` of the squared
             norm. Padding is zero, so it does not count. A ``DeviceMesh``: its group, or for a
             2-D (replicate, shard) mesh its shard dim (replicas hold the same shards).
+        donate: ``True``: clip ``grads`` in place and return them (do not use the tensors you
+            passed for anything else than what is returned). ``False`` (the default): leave
+            ``grads`` as they are and return new tensors.
 
     Returns:
         ``(clipped, norm)``: the clipped gradients and the global norm before clipping (a 0-dim
-        float tensor, float64 if any leaf is float64, otherwise float32).
+        float tensor on the first leaf's device, float64 if any leaf is float64, otherwise
+        float32).
 
     Raises:
-        TypeError: A leaf is not a floating tensor, or ``group`` is neither ``None`` nor a
-            process group.
+        TypeError: A leaf is not a floating tensor, ``group`` is neither ``None`` nor a
+            process group, or ``donate`` is not a bool.
         ValueError: ``max_norm`` is not a positive number.
 
     Examples:
@@ -67,6 +79,13 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
         >>> clipped, norm = clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
         >>> norm, clipped["w"]
         (tensor(5.), tensor([0.6000, 0.8000]))
+
+        Donated, the gradients are clipped where they are:
+
+        >>> grads = {"w": torch.tensor([3.0, 4.0])}
+        >>> clipped, _ = clip_by_global_norm(grads, 1.0, donate=True)
+        >>> clipped["w"] is grads["w"], grads["w"]
+        (True, tensor([0.6000, 0.8000]))
     """
     where = "clip_by_global_norm(grads, max_norm)"
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
@@ -75,14 +94,19 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
             f"max_norm=1.0."
         )
     check_group(where, group, _FIX)
+    _check_donate(where, donate)
     leaves, spec = _leaves(where, grads)
     wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     if not leaves:
         return grads, torch.zeros((), dtype=wide)
     device = leaves[0].device
+    groups = _by_device_and_dtype(leaves)
     with torch.no_grad():
-        norms = [n.to(device, wide) for n in torch._foreach_norm(leaves)]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        # One foreach norm per (device, dtype); each leaf's norm in its dtype, as clip_grad_norm_.
+        norms = [
+            torch.stack(torch._foreach_norm([leaves[i] for i in idx])) for idx in groups.values()
+        ]
+        total = torch.linalg.vector_norm(torch.cat([n.to(device, wide) for n in norms]))
         if group is not None:
             squared = (total * total).reshape(1)
             comm = Comm(where, axes(where, group)[0], what="group=")
@@ -90,9 +114,33 @@ def clip_by_global_norm(grads: T, max_norm: float, *, group: Any = None) -> tupl
                 comm.all_reduce(squared, "the norm all_reduce", "norm"), "the norm all_reduce"
             )
             total = squared.sqrt().reshape(())
-        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        out = [g * factor.to(g.device, g.dtype) for g in leaves]
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # on the device: no host read
+        out: list[torch.Tensor] = list(leaves)
+        for (dev, dtype), idx in groups.items():
+            group_leaves = [leaves[i] for i in idx]
+            scale = factor.to(dev, dtype)
+            if donate:
+                torch._foreach_mul_(group_leaves, scale)
+            else:
+                for i, clipped in zip(idx, torch._foreach_mul(group_leaves, scale)):
+                    out[i] = clipped
     return _tree.unflatten(spec, out), total
+
+
+def _by_device_and_dtype(leaves: list[torch.Tensor]) -> dict[tuple[Any, Any], list[int]]:
+    """Leaf indices grouped by (device, dtype), in order of first appearance: one foreach each."""
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for i, g in enumerate(leaves):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    return groups
+
+
+def _check_donate(where: str, donate: object) -> None:
+    if not isinstance(donate, bool):
+        raise TypeError(
+            f"{where}: donate must be a bool, got {describe(donate)}; pass donate=True to "
+            f"overwrite the gradients you pass (no new tree), or leave the default (False)."
+        )
 
 
 class LossScaleState(NamedTuple):
@@ -224,9 +272,14 @@ class LossScale:
         return LossScaleState(float(self.init_scale), 0)
 
     def unscale(
-        self, grads: T, state: LossScaleState, *, group: Any = None
+        self, grads: T, state: LossScaleState, *, group: Any = None, donate: bool = False
     ) -> tuple[T, bool, LossScaleState]:
         """Divide the window's gradients by the scale; decide whether to take the step.
+
+        The division is one foreach multiply per (device, dtype), and the found-inf check one
+        foreach max-norm, both on the device; the decision stays a device tensor through the
+        ``group`` all-reduce, and is read once, at the end: the skip decision needs it on the
+        host, as ``GradScaler.step`` reads its ``found_inf``.
 
         Args:
             grads: The window's gradients (of the scaled loss).
@@ -235,16 +288,20 @@ class LossScale:
                 sync, where they are identical on every rank). A process group (or a mesh, as
                 in [`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]): also
                 agree over it with one one-element ``all_reduce`` (for gradients that differ per
-                rank, e.g. shards).
+                rank, e.g. shards). With no gradient leaves on this rank, the flag is built on
+                the group's device (the current CUDA device for NCCL).
+            donate: As in [`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]:
+                ``True`` unscales ``grads`` in place (as ``GradScaler.unscale_`` does) and
+                returns them; ``False`` (the default) returns new tensors.
 
         Returns:
-            ``(grads, finite, new_state)``: the unscaled gradients (new tensors), whether every
-            element is finite on every rank (skip the optimizer step when not), and the next
-            state. Reading ``finite`` synchronises with the device once per window.
+            ``(grads, finite, new_state)``: the unscaled gradients, whether every element is
+            finite on every rank (skip the optimizer step when not), and the next state.
+            Reading ``finite`` synchronises with the device once per window.
 
         Raises:
-            TypeError: A leaf is not a floating tensor, ``state`` is not a LossScaleState, or
-                ``group`` is neither ``None`` nor a process group.
+            TypeError: A leaf is not a floating tensor, ``state`` is not a LossScaleState,
+                ``group`` is neither ``None`` nor a process group, or ``donate`` is not a bool.
             ValueError: ``state.scale`` is not a finite positive number.
         """
         where = "LossScale.unscale(grads, state)"
@@ -260,23 +317,39 @@ class LossScale:
                 f"state unscale() returns."
             )
         check_group(where, group, _FIX)
+        _check_donate(where, donate)
         leaves, spec = _leaves(where, grads)
+        shard = axes(where, group)[0] if group is not None else None
         with torch.no_grad():
             inv = 1.0 / state.scale
-            out = [g * inv for g in leaves]
-            if out:
-                device = out[0].device
+            out: list[torch.Tensor] = list(leaves)
+            flags = []
+            for (dev, dtype), idx in _by_device_and_dtype(leaves).items():
+                group_leaves = [leaves[i] for i in idx]
+                # 1 / scale as a device scalar in the leaves' compute dtype, as GradScaler's
+                # inv_scale (the in-place foreach of a Python number rounds it to float16 on CPU)
+                wide = torch.float64 if dtype == torch.float64 else torch.float32
+                scale = torch.full((), inv, dtype=wide, device=dev)
+                if donate:
+                    torch._foreach_mul_(group_leaves, scale)
+                else:
+                    group_leaves = list(torch._foreach_mul(group_leaves, scale))
+                    for i, unscaled in zip(idx, group_leaves):
+                        out[i] = unscaled
                 # max |g| per leaf: NaN propagates, finite values do not overflow
-                amax = torch._foreach_norm(out, float("inf"))
-                peaks = torch.stack([m.to(device, torch.float32) for m in amax])
-                bad = (~torch.isfinite(peaks)).any().to(torch.float32).reshape(1)
-            else:
-                bad = torch.zeros(1)
-            if group is not None:
-                comm = Comm(where, axes(where, group)[0], what="group=")
+                peaks = torch.stack(torch._foreach_norm(group_leaves, float("inf")))
+                flags.append((~torch.isfinite(peaks)).any().reshape(1))
+            if flags:
+                device = leaves[0].device
+                bad = torch.cat([f.to(device) for f in flags]).any().to(torch.float32).reshape(1)
+            else:  # nothing here: a zero flag where the group's collectives take their tensors
+                device = group_device(shard.group) if shard is not None else torch.device("cpu")
+                bad = torch.zeros(1, device=device)
+            if shard is not None:
+                comm = Comm(where, shard, what="group=")
                 what = "the found_inf all_reduce"
                 comm.wait(comm.all_reduce(bad, what, "found_inf", dist.ReduceOp.MAX), what)
-            finite = not bool(bad.item())
+            finite = not bool(bad.item())  # the window's one host read: the skip decision
         if finite:
             good = state.good_steps + 1
             if good >= self.growth_interval:

@@ -138,11 +138,14 @@ def dp_noise(
     other is refused when a window opens) and
     [`clip_per_sample()`][gradaccum.privacy.clip_per_sample] as the ``micro_transform``. The
     result is ``(sum of clipped per-sample gradients + N(0, (sigma C)^2 I)) / L``: an exact sum
-    over the group (one flat ``all_reduce`` per dtype), then noise drawn **once per window** from
-    a CPU generator seeded with ``(seed, window)``, the same on every rank, then a division by
-    ``expected_batch_size`` (not by the rows seen, as Poisson sampling requires). The window
-    index is the state, so a resumed run draws the same noise. The privacy accounting is not
-    done here: see [Differential privacy](../reductions.md#differential-privacy-dp-sgd).
+    over the group (one flat ``all_reduce`` per dtype), then noise drawn **once per window**,
+    the same on every rank, then a division by ``expected_batch_size`` (not by the rows seen, as
+    Poisson sampling requires). The noise is drawn where the gradients are, in their dtype
+    (float32 for float16 and bfloat16 accumulators): one draw per (device, dtype) group of
+    leaves, from a generator of that device seeded with ``(seed, window, group)``. The window
+    index is the state, so a resumed run draws the same noise; a CUDA generator draws other
+    numbers than the CPU's from the same seed. The privacy accounting is not done here: see
+    [Differential privacy](../reductions.md#differential-privacy-dp-sgd).
 
     Args:
         noise_multiplier: ``sigma``, the noise standard deviation in units of ``max_norm``.
@@ -197,17 +200,43 @@ def dp_noise(
     def noisy_sum(grads: Any, window: Any, pg: Any) -> tuple[Any, Any]:
         leaves, spec = _tree.flatten(grads)
         sum_flat(leaves, pg, "gradients", dim)  # exact: one flat all-reduce per dtype
-        gen = torch.Generator(device="cpu").manual_seed((seed * _MIX + int(window)) % 2**63)
-        for g in leaves:
+        for j, idx in enumerate(_groups(leaves)):
+            group = [leaves[i] for i in idx]
             if std:
-                noise = torch.randn(g.shape, generator=gen, dtype=torch.float64) * std
-                g.add_(noise.to(g.device, g.dtype))
-            g.div_(size)
+                torch._foreach_add_(group, _noise(group, seed, int(window), j, std))
+            torch._foreach_div_(group, size)
         return _tree.unflatten(spec, leaves), int(window) + 1
 
     noisy_sum.__name__ = f"dp_noise(noise_multiplier={noise_multiplier:g}, max_norm={bound:g})"
     made = custom_reduce(noisy_sum, init=lambda _: 0, group=group, timeout=timeout)
     return _DPNoise(made.fn, made.init, made.group, made.timeout, made.name)
+
+
+def _groups(leaves: list[torch.Tensor]) -> list[list[int]]:
+    """Leaf indices by (device, dtype), in order of first appearance (the same on every rank)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(leaves):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    return list(groups.values())
+
+
+def _noise(
+    group: list[torch.Tensor], seed: int, window: int, j: int, std: float
+) -> list[torch.Tensor]:
+    """``N(0, std^2)`` noise shaped like ``group`` (leaves of one device and dtype), as views.
+
+    One draw for the whole group, on its device, from a generator of that device seeded with
+    ``(seed, window, j)`` (``j``: the group's position): the same on every rank and after a
+    resume, and independent across groups. Drawn in the leaves' dtype, or float32 for float16
+    and bfloat16 (added to them in their dtype).
+    """
+    first = group[0]
+    dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
+    gen = torch.Generator(device=first.device)
+    gen.manual_seed(((seed * _MIX + window) % 2**63 * _MIX + j) % 2**63)
+    total = sum(g.numel() for g in group)
+    flat = torch.randn(total, generator=gen, dtype=dtype, device=first.device).mul_(std)
+    return list(torch._C._nn.unflatten_dense_tensors(flat, group))
 
 
 class _DPNoise(CustomReduce):

@@ -155,6 +155,78 @@ def test_noise_scale_seed_and_windows() -> None:
     assert not torch.equal(other(params, x)["w"], a)
 
 
+def _zero_grad_noise(params: dict[str, torch.Tensor], seed: int = 7, **kw: Any) -> Any:
+    """One window of dp_noise(2.0, C, 50.0) over zero gradients: the noise alone."""
+
+    def flat(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return sum((v * 0).sum() for v in p.values()) + x.sum() * 0
+
+    step = gradaccum.accumulate(
+        vmap(grad(flat), in_dims=(None, 0)),
+        2,
+        reduction="sum",
+        micro_transform=gradaccum.privacy.clip_per_sample(C),
+        sync=gradaccum.privacy.dp_noise(2.0, C, 50.0, seed=seed),
+        **kw,
+    )
+    return step(params, torch.zeros(4, 1, dtype=F64))
+
+
+def test_noise_is_drawn_on_the_gradients_device_in_their_dtype(monkeypatch: Any) -> None:
+    """One draw per (device, dtype) with a generator of that device: no float64 CPU noise."""
+    draws: list[tuple[int, torch.dtype, torch.device, torch.device]] = []
+    real = torch.randn
+
+    def spy(*shape: Any, generator: Any = None, **k: Any) -> torch.Tensor:
+        out = real(*shape, generator=generator, **k)
+        if generator is not None:
+            draws.append((out.numel(), out.dtype, out.device, generator.device))
+        return out
+
+    params = {
+        "a": torch.zeros(300, dtype=torch.float32),
+        "b": torch.zeros(20, 10, dtype=torch.float32),
+        "c": torch.zeros(50, dtype=F64),
+        "d": torch.zeros(40, dtype=torch.bfloat16),
+    }
+    monkeypatch.setattr(torch, "randn", spy)
+    noise = _zero_grad_noise(params)
+    cpu = torch.device("cpu")
+    # The bfloat16 leaf accumulates in float32: one group with a and b, one draw of 540.
+    assert sorted(draws) == sorted([(540, torch.float32, cpu, cpu), (50, F64, cpu, cpu)])
+    assert {k: v.dtype for k, v in noise.items()} == {k: v.dtype for k, v in params.items()}
+
+
+def test_noise_of_low_precision_accumulators_is_drawn_in_float32(monkeypatch: Any) -> None:
+    draws: list[torch.dtype] = []
+    real = torch.randn
+
+    def spy(*shape: Any, generator: Any = None, **k: Any) -> torch.Tensor:
+        out = real(*shape, generator=generator, **k)
+        if generator is not None:
+            draws.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(torch, "randn", spy)
+    params = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    noise = _zero_grad_noise(params, accum_dtype=torch.bfloat16)["w"]
+    assert draws == [torch.float32]
+    assert noise.dtype == torch.bfloat16
+    assert abs(float(noise.float().std()) / (2.0 * C / 50.0) - 1) < 0.1
+
+
+def test_noise_of_float32_gradients_has_the_scale_and_groups_are_independent() -> None:
+    params = {"a": torch.zeros(100_000), "b": torch.zeros(100_000, dtype=F64)}
+    noise = _zero_grad_noise(params)
+    for v in noise.values():
+        assert abs(float(v.std()) / (2.0 * C / 50.0) - 1) < 0.02
+    # Two groups of the same size: independent draws, not one sequence twice.
+    a, b = noise["a"].double(), noise["b"]
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.02
+    again = _zero_grad_noise(params)
+    assert all(torch.equal(noise[k], again[k]) for k in noise)  # the same seed and window
+
+
 def test_checkpointed_accumulator_resumes_the_same_noise(tmp_path: Any) -> None:
     params, batch = make(rows=8)
     x, y = batch

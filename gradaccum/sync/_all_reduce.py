@@ -14,7 +14,7 @@ import torch
 from .. import _metrics, _tree
 from .._checks import Check, check_options, positive
 from .._core.protocol import Sync, Window, WindowSpec
-from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, leaf_order, make_plan
+from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, group_device, leaf_order, make_plan
 from .._dist.comm import Probe, bucket_what, to_device
 from .._dist.mesh import axis, check_group
 from .._errors import describe, is_mesh
@@ -35,8 +35,9 @@ class AllReduce(Sync):
 
     Examples:
         >>> import gradaccum
-        >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)
-        AllReduce(group=None, bucket_mb=50.0, check='fingerprint', timeout=120.0, overlap=True)
+        >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)  # doctest: +NORMALIZE_WHITESPACE
+        AllReduce(group=None, bucket_mb=50.0, check='fingerprint', timeout=120.0, overlap=True,
+                  reduce_dtype=None)
     """
 
     group: Any = None
@@ -44,6 +45,7 @@ class AllReduce(Sync):
     check: Check = "fingerprint"
     timeout: float | None = None
     overlap: bool = True
+    reduce_dtype: torch.dtype | None = None
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
     _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -82,8 +84,18 @@ class AllReduce(Sync):
         """The plan for a gradient layout (cached)."""
         plan = self._plans.get(lay)
         if plan is None:
-            plan = self._plans[lay] = make_plan(lay, int(self.bucket_mb * 2**20))
+            plan = self._plans[lay] = self._make_plan(lay)
         return plan
+
+    def _make_plan(self, lay: Any, order: list[int] | None = None) -> Plan:
+        """A new plan for ``lay``, in ``reduce_dtype`` on the wire.
+
+        An empty layout's bucket (the tail alone) goes to the group's device: a CPU tensor
+        cannot reach NCCL.
+        """
+        device = None if lay.paths else group_device(axis("all_reduce()", self.group).group)
+        cap = int(self.bucket_mb * 2**20)
+        return make_plan(lay, cap, order, device=device, reduce_dtype=self.reduce_dtype)
 
     def open(self, spec: WindowSpec) -> Window:
         """A window whose running sums are views into this sync's flat buckets."""
@@ -118,6 +130,11 @@ class BucketWindow(Window):
         self.sealed = False  # the tail holds the final weight and "no failure" (seal)
         self.bufs: list[torch.Tensor | None] = []
         self.works: list[Any] = []  # in launch order
+        # reduce_dtype: the buckets as sent (cast copies), by bucket; cast back in finish().
+        self.wires: dict[int, torch.Tensor] = {}
+        self.named = self.plan.buckets  # how failures name the buckets: as sent
+        if sync.reduce_dtype is not None:
+            self.named = tuple(replace(b, dtype=b.reduce_dtype or b.dtype) for b in self.named)
 
     def storage(self, zero: bool) -> list[torch.Tensor]:
         """Views into flat buckets (zeroed, or uninitialised) that nothing else references.
@@ -228,7 +245,10 @@ class BucketWindow(Window):
     def _launch(self, k: int) -> None:
         buf = self.bufs[k]
         assert buf is not None
-        what = bucket_what("boundary all_reduce", self.plan.buckets, k)
+        wire = self.plan.buckets[k].reduce_dtype
+        if wire is not None:  # sent in the wire dtype; the sums stay in their own
+            buf = self.wires[k] = buf.to(wire)
+        what = bucket_what("boundary all_reduce", self.named, k)
         self.works.append(self.comm.all_reduce(buf, what, "gradients"))
 
     def finish(self, weight: Any, failed: bool = False) -> Any:
@@ -253,7 +273,10 @@ class BucketWindow(Window):
             while len(self.works) < len(self.order):
                 self._launch(self.order[len(self.works)])
             for k, work in zip(self.order, self.works):
-                self.comm.wait(work, bucket_what("boundary all_reduce", plan.buckets, k))
+                self.comm.wait(work, bucket_what("boundary all_reduce", self.named, k))
+            if self.wires:  # back into the accumulation dtype
+                for k, wire in self.wires.items():
+                    self.bufs[k].copy_(wire)  # type: ignore[union-attr]
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
@@ -300,7 +323,7 @@ class BucketWindow(Window):
             agreed = sums.tolist()
         rank = {i: r for r, i in enumerate(leaf_order(lay.paths))}
         order = sorted(rank, key=lambda i: (agreed[i], rank[i]))
-        sync._plans[lay] = make_plan(lay, int(sync.bucket_mb * 2**20), order)
+        sync._plans[lay] = sync._make_plan(lay, order)
         sync._ordered.add(lay)
 
 
@@ -344,6 +367,7 @@ def all_reduce(
     check: Check = "fingerprint",
     timeout: float | None = None,
     overlap: bool = True,
+    reduce_dtype: torch.dtype | None = None,
 ) -> AllReduce:
     """Average (or sum) accumulated gradients over a process group, once per window.
 
@@ -388,14 +412,25 @@ def all_reduce(
             [`grad_and_value()`][gradaccum.grad_and_value], start each bucket's all-reduce
             during the last backward, as soon as its gradients are final; ``False`` starts them
             all after the backward ([how](../sync.md#overlap-with-the-last-backward)).
+        reduce_dtype: The dtype the gradient buckets travel in. ``None`` (the default): each
+            bucket in its accumulation dtype, an exact sum (float32 for float32 or bfloat16
+            params). ``torch.bfloat16``: each bucket is cast to bfloat16 at the boundary,
+            all-reduced, and cast back into the float32 sums, as DDP's ``bf16_compress_hook``
+            does: half the bytes, one bfloat16 rounding of each rank's sum and of their total
+            ([the trade-off](../sync.md#the-wire-dtype)). ``torch.float32`` with
+            ``accum_dtype=torch.bfloat16`` goes the other way (Megatron's
+            ``grad_reduce_in_fp32``). The window's weight, failure flag and metrics stay exact
+            in a small bucket of their own (float64 or float32). Every rank must pass the same
+            (the fingerprint covers it).
 
     Returns:
         An [`AllReduce`][gradaccum.sync.AllReduce]; its
         [`plan()`][gradaccum.sync.AllReduce.plan] reports the buckets without communicating.
 
     Raises:
-        ValueError: ``bucket_mb`` is not positive, ``check`` is not one of its names, or
-            ``timeout`` is not positive.
+        ValueError: ``bucket_mb`` is not positive, ``check`` is not one of its names,
+            ``timeout`` is not positive, or ``reduce_dtype`` is a dtype that is not floating.
+        TypeError: ``reduce_dtype`` is neither ``None`` nor a ``torch.dtype``.
 
     Examples:
         >>> import torch, gradaccum
@@ -414,8 +449,28 @@ def all_reduce(
             f"pass e.g. bucket_mb=25 (DDP's default)."
         )
     check_options(where, check, timeout, overlap)
+    check_reduce_dtype(where, reduce_dtype)
     check_group(where, group)
     axis(where, group)  # a mesh of more than one dim is refused here, not at the first window
     return AllReduce(
-        group, float(bucket_mb), check, None if timeout is None else float(timeout), overlap
+        group,
+        float(bucket_mb),
+        check,
+        None if timeout is None else float(timeout),
+        overlap,
+        reduce_dtype,
+    )
+
+
+def check_reduce_dtype(where: str, reduce_dtype: object) -> None:
+    """Refuse a ``reduce_dtype=`` that is neither ``None`` nor a floating ``torch.dtype``."""
+    if reduce_dtype is None or (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        return
+    error = ValueError if isinstance(reduce_dtype, torch.dtype) else TypeError
+    raise error(
+        f"{where}: reduce_dtype must be a floating torch.dtype, got {describe(reduce_dtype)}; "
+        f"pass e.g. reduce_dtype=torch.bfloat16 (half the bytes of float32 on the wire), or "
+        f"None (the default: each bucket in its accumulation dtype, exact)."
     )
