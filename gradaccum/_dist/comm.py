@@ -175,8 +175,10 @@ def abort_device(group: Any) -> bool:
 
     The backend's own ``abort()`` (torch's ``_abort_process_group`` would also remove the group
     from torch.distributed's tables, and, for the default group, every group). ``False`` where the
-    group has no CUDA backend or torch no such method.
+    group is not NCCL's, or the abort is missing (no ``ProcessGroupNCCL.abort``) or failed.
     """
+    if "nccl" not in str(dist.get_backend(group)):
+        return False
     try:
         backend = group._get_backend(torch.device("cuda"))
     except (RuntimeError, AttributeError):
@@ -490,9 +492,9 @@ class Comm:
                 "Its NCCL communicator was aborted, so this process can exit: do not use the "
                 "group again, exit every rank and restart from a checkpoint."
                 if aborted
-                else "Its NCCL communicator could not be aborted (this torch has no "
-                "ProcessGroupNCCL.abort): exit the process with os._exit(1) and restart every "
-                "rank from a checkpoint."
+                else "Its communicator could not be aborted (no ProcessGroupNCCL.abort, or it "
+                "failed): exit the process with os._exit(1) and restart every rank from a "
+                "checkpoint."
             )
         return GradAccumError(
             f"{self.where}: {what} failed on rank {self.rank}: {cause}. A peer process died, "
