@@ -12,6 +12,7 @@ measurements (host syncs per window, step time, memory).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable, Iterator
@@ -622,6 +623,98 @@ def test_accumulator_add_does_not_block_the_host(timeout: float | None) -> None:
     took = _sleep_then(add)
     assert took < 0.05, f"Accumulator.add blocked the host {took * 1e3:.0f} ms behind a kernel"
     acc.finalize(box[0])
+
+
+# -- timeouts: no host-blocking wait; a stuck collective still raises --------------------------
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter every", "reduce_scatter boundary"])
+def test_a_timeout_never_blocks_the_host_inside_a_backward(kind: str) -> None:
+    """With ``timeout=`` the micro-batches are queued without waiting for the device: every
+    forward begins long before a 200 ms kernel queued ahead of the window ends (before issue 28
+    ``policy="every"`` waited on the host in its folds: 174 ms)."""
+    import time
+
+    n = 4
+    params = mlp_params()
+    batch = regression()
+    marks: list[float] = []
+
+    def loss(p: Any, b: Any) -> torch.Tensor:
+        marks.append(time.perf_counter())
+        return mlp_loss(p, b)
+
+    target: Any = params
+    if kind == "all_reduce":
+        sync: Any = gradaccum.all_reduce(bucket_mb=0.01, timeout=30.0)
+    else:
+        target = gradaccum.shard(params, bucket_mb=0.01)
+        sync = gradaccum.reduce_scatter(target, policy=kind.split()[1], timeout=30.0)
+    step = gradaccum.accumulate(gradaccum.grad(loss), n, sync=sync)
+    step(target, batch)  # the first window: plans, layouts, allocations
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(200e-3 * 2e9))
+    t = time.perf_counter()
+    step(target, batch)
+    torch.cuda.synchronize()
+    starts = [round(1e3 * (m - t), 1) for m in marks[-n:]]
+    assert max(starts) < 50, f"{kind}: forwards began at {starts} ms behind a 200 ms kernel"
+
+
+def _block_pool(seconds: float) -> None:
+    """Keep every pooled CUDA stream busy (NCCL's is one of them): a stuck peer, simulated."""
+    for priority in (0, -1):
+        for _ in range(32):  # torch's streams per pool and priority
+            with torch.cuda.stream(torch.cuda.Stream(priority=priority)):
+                torch.cuda._sleep(int(seconds * 2e9))
+
+
+@cuda_only
+def test_a_late_device_is_not_a_stuck_collective() -> None:
+    """2 s of compute ahead of a window with ``timeout=0.5``: the window completes, exact."""
+    params = mlp_params()
+    batch = regression()
+    ref = reference(params, batch)
+    step = gradaccum.accumulate(
+        gradaccum.grad(mlp_loss), 4, sync=gradaccum.all_reduce(bucket_mb=0.01, timeout=0.5)
+    )
+    step(params, batch)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2.0 * 2e9))
+    grads = step(params, batch)
+    assert not bad(rel_err(grads, ref), TOL32)
+
+
+@cuda_only
+def test_a_stuck_collective_raises_before_the_device_frees_it() -> None:
+    """A collective that cannot run (NCCL's stream kept busy 4 s) with ``timeout=0.5``:
+    ``GradAccumError`` names it well before the 4 s, and its group is aborted. On a group of
+    its own, so that the suite's group stays usable."""
+    import time
+
+    group = dist.new_group(ranks=[0], backend="nccl")
+    params = mlp_params()
+    batch = regression()
+    step = gradaccum.accumulate(
+        gradaccum.grad(mlp_loss),
+        4,
+        sync=gradaccum.all_reduce(bucket_mb=0.01, timeout=0.5, group=group, check="never"),
+    )
+    step(params, batch)  # the communicator and its stream exist from here
+    torch.cuda.synchronize()
+    _block_pool(4.0)
+    t = time.perf_counter()
+    with pytest.raises(gradaccum.GradAccumError) as info:
+        step(params, batch)
+    took = time.perf_counter() - t
+    torch.cuda.synchronize()  # the sleeps end
+    message = str(info.value)
+    assert "failed on rank 0: it had not completed 0.5 s after its inputs were ready" in message
+    assert "Its NCCL communicator was aborted" in message
+    assert 0.5 < took < 2.5, f"raised after {took:.2f} s"
+    with contextlib.suppress(Exception):  # an aborted group may refuse to be destroyed
+        dist.destroy_process_group(group)
 
 
 def test_suite_device_is_what_it_claims() -> None:
