@@ -282,8 +282,8 @@ def test_without_an_abort_the_message_says_to_exit(
     want = message(FIRST_STUCK["all_reduce", "never"]).replace(
         "Its NCCL communicator was aborted, so this process can exit: do not use the group "
         "again, exit every rank and restart from a checkpoint.",
-        "Its communicator could not be aborted (no ProcessGroupNCCL.abort, or it failed): exit "
-        "the process with os._exit(1) and restart every rank from a checkpoint.",
+        "Its communicator could not be aborted (no ProcessGroupNCCL.abort, or it failed or hung): "
+        "exit the process with os._exit(1) and restart every rank from a checkpoint.",
     )
     with pytest.raises(gradaccum.GradAccumError, match=re.escape(want)):
         step(params, batch)
@@ -350,3 +350,42 @@ def test_a_stuck_every_fold_raises_at_the_boundary_not_in_the_backward(
     assert pauses == [0] * 2 * N, f"the host paused inside a window: {pauses}"
     assert dev.pauses > 0
     assert aborted == [dist.group.WORLD]
+
+
+class FakeNCCLGroup:
+    """A group whose CUDA backend's ``abort`` returns, raises or hangs."""
+
+    def __init__(self, abort: Any) -> None:
+        self.backend = type("Backend", (), {"abort": staticmethod(abort)})() if abort else object()
+
+    def _get_backend(self, device: torch.device) -> Any:
+        return self.backend
+
+
+def _hang() -> None:
+    import threading
+
+    threading.Event().wait(5)
+
+
+def _fail() -> None:
+    raise RuntimeError("NCCL error: the abort failed")
+
+
+@pytest.mark.parametrize(
+    ("abort", "aborted"),
+    [(lambda: None, True), (_fail, False), (_hang, False), (None, False)],
+    ids=["returns", "raises", "hangs", "missing"],
+)
+def test_abort_device_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, abort: Any, aborted: bool
+) -> None:
+    """The communicator's abort: ``True`` only when it returned; a hung one is left after
+    ``ABORT_S`` (the error is raised all the same, and says to ``os._exit``)."""
+    import time
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(comm_mod, "ABORT_S", 0.2)
+    t = time.monotonic()
+    assert comm_mod.abort_device(FakeNCCLGroup(abort)) is aborted
+    assert time.monotonic() - t < 1.0

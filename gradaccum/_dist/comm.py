@@ -36,6 +36,7 @@ import contextlib
 import datetime
 import hashlib
 import re
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -119,6 +120,7 @@ def new_event() -> Any:
 # How the host polls for a device read with collectives queued: the first pause, the longest.
 POLL_FIRST, POLL_MAX = 5e-5, 5e-4
 _clock, _sleep = time.monotonic, time.sleep  # tests replace them (a fake clock, counted pauses)
+ABORT_S = 10.0  # the longest wait for a NCCL communicator's abort
 
 
 class Queued:
@@ -175,7 +177,8 @@ def abort_device(group: Any) -> bool:
 
     The backend's own ``abort()`` (torch's ``_abort_process_group`` would also remove the group
     from torch.distributed's tables, and, for the default group, every group). ``False`` where the
-    group is not NCCL's, or the abort is missing (no ``ProcessGroupNCCL.abort``) or failed.
+    group is not NCCL's, or the abort is missing (no ``ProcessGroupNCCL.abort``), failed, or
+    did not return within ``ABORT_S`` seconds.
     """
     if "nccl" not in str(dist.get_backend(group)):
         return False
@@ -186,11 +189,18 @@ def abort_device(group: Any) -> bool:
     abort = getattr(backend, "abort", None)
     if abort is None:
         return False
-    try:
-        abort()
-    except RuntimeError:
-        return False
-    return True
+    done: list[bool] = []
+
+    def run() -> None:
+        with contextlib.suppress(RuntimeError):
+            abort()
+            done.append(True)
+
+    # Bounded: ncclCommAbort has been seen to hang; the error is then raised all the same.
+    thread = threading.Thread(target=run, name="gradaccum-abort", daemon=True)
+    thread.start()
+    thread.join(ABORT_S)
+    return bool(done)
 
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
@@ -377,7 +387,10 @@ class Comm:
         """
         try:  # failing(what), written out: this runs for every bucket of every window
             if type(work) is Queued:  # the stream waits for it, the host goes on
-                work.work.wait()
+                try:
+                    work.work.wait()
+                except RuntimeError as err:  # NCCL found it failed: no use waiting for it
+                    raise self.broken(what, err, device=True) from err
                 return
             if self.timeout is None:
                 work.wait()
@@ -493,8 +506,8 @@ class Comm:
                 "group again, exit every rank and restart from a checkpoint."
                 if aborted
                 else "Its communicator could not be aborted (no ProcessGroupNCCL.abort, or it "
-                "failed): exit the process with os._exit(1) and restart every rank from a "
-                "checkpoint."
+                "failed or hung): exit the process with os._exit(1) and restart every rank from "
+                "a checkpoint."
             )
         return GradAccumError(
             f"{self.where}: {what} failed on rank {self.rank}: {cause}. A peer process died, "
