@@ -664,7 +664,7 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
 # collective waiting for a dead peer looks like to this rank. A real stuck NCCL kernel ends when
 # its communicator is aborted; a sleeping one does not, so the simulated queue drains only when
 # the sleep ends (STUCK_MS), whatever the abort does.
-STUCK_MS = 8000
+STUCK_MS = 5000
 POOL = 32  # torch's streams per pool and priority (c10/cuda/CUDAStream.cpp, kStreamsPerPool)
 
 
@@ -703,7 +703,8 @@ def child(mode: str) -> None:
     note(f"NCCL group up (its timeout {group_s} s); mode {mode}")
     try:
         if mode == "cost":  # a healthy run: the host polling at its reads against blocking
-            params, loss_fn, batch = mlp(2048, 8)
+            params, loss_fn, _ = mlp(2048, 8)
+            batch = (torch.randn(4096, 2048, device=C.device), torch.randn(4096, device=C.device))
             times: dict[str, list[float]] = {"timeout=None": [], "timeout=30": []}
             steps = {
                 k: gradaccum.accumulate(
@@ -744,7 +745,7 @@ def child(mode: str) -> None:
             def loss(p: Any, b: Any) -> torch.Tensor:
                 calls[0] += 1
                 marks.append(time.perf_counter())
-                if calls[0] == n + (1 if mode == "stuck_every" else n):
+                if calls[0] == n + (1 if mode == "stuck_every" else n) and mode != "fingerprint":
                     if mode == "busy":  # the compute stream, not NCCL's: late, not stuck
                         sleep_ms(4000)
                     else:
@@ -761,12 +762,14 @@ def child(mode: str) -> None:
             step(params, batch)
             torch.cuda.synchronize()
             note(f"window 1 done (sync timeout={timeout:g} s)")
+            if mode == "fingerprint":  # stuck before the window: its fingerprint exchange
+                block_pool(STUCK_MS)
             t1 = time.perf_counter()
             try:
                 step(params, batch)
                 note(f"window 2 done, no error, after {time.perf_counter() - t1:.2f} s")
             except gradaccum.GradAccumError as e:
-                note(f"GradAccumError after {time.perf_counter() - t1:.2f} s: {str(e)[:400]}")
+                note(f"GradAccumError after {time.perf_counter() - t1:.2f} s: {e}")
             forwards = [round(m - t1, 3) for m in marks[n:]]
             note(f"window 2's forwards began at (host s): {forwards}")
     except Exception as e:  # noqa: BLE001
@@ -791,6 +794,7 @@ def timeouts() -> dict[str, Any]:
         ("stuck", {}),
         ("stuck", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
         ("stuck_every", {}),
+        ("fingerprint", {}),
         ("busy", {}),
         ("watchdog", {}),
         ("raw_abort", {}),
@@ -807,11 +811,11 @@ def timeouts() -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--child", mode]
         t = time.perf_counter()
         try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=25)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=20)
             rc: Any = r.returncode
             text = r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= says
-            rc = "killed at 25 s"
+            rc = "killed at 20 s"
             text = "".join(
                 x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
                 for x in (e.stdout, e.stderr)
@@ -820,7 +824,7 @@ def timeouts() -> dict[str, Any]:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         said = [ln for ln in lines if ln.startswith("CHILD")]
         say(f"{name}: rc={rc} (negative: killed by that signal) after {took:.1f} s")
-        say(*[f"   | {ln[6:300]}" for ln in said])
+        say(*[f"   | {ln[6:700]}" for ln in said])
         others = [ln for ln in lines if not ln.startswith("CHILD")][-4:]
         say(*[f"   ! {ln[:240]}" for ln in others])
         out[name] = {"rc": rc, "seconds": round(took, 1), "child": said, "tail": lines[-30:]}
