@@ -143,8 +143,10 @@ class Queued:
 
 
 # The device collectives a Comm with a timeout started, per process group, in the order they
-# were started (which is the order a NCCL group's queue runs them), until they complete.
-_QUEUED: weakref.WeakKeyDictionary[Any, list[Queued]] = weakref.WeakKeyDictionary()
+# were started (which is the order a NCCL group's queue runs them), until they complete. A plain
+# dict: each entry's Comm holds its group anyway, and a group leaves with its last entry (empty
+# when no such collective was started: the reads' one test on the CPU path).
+_QUEUED: dict[Any, list[Queued]] = {}
 
 
 def queued(group: Any) -> list[Queued]:
@@ -158,10 +160,11 @@ def overdue(now: float) -> Queued | None:
     Only the head of each group's queue can be stuck (a group's collectives run in order). It is
     timed from the first call that saw its inputs ready; the completed ones are dropped.
     """
-    for queue in list(_QUEUED.values()):
+    for group, queue in list(_QUEUED.items()):
         while queue and queue[0].work.is_completed():
             queue.pop(0)
         if not queue:
+            del _QUEUED[group]
             continue
         head = queue[0]
         if head.since is None:
@@ -413,11 +416,11 @@ class Comm:
         ([`until()`][gradaccum.sync.Comm.until]). Otherwise (the CPU, no timeout) it is
         ``tensor.tolist()``, which waits as long as it takes.
         """
-        if done is None and on_device(tensor) and any(_QUEUED.values()):
+        if done is None and _QUEUED and on_device(tensor):
             done = new_event()
         if done is not None:
             self.until(done)
-        return list(tensor.tolist())
+        return tensor.tolist()
 
     def until(self, done: Any) -> None:
         """Wait for the event ``done``; raise if a queued collective is stuck past its timeout.
@@ -435,7 +438,7 @@ class Comm:
             late = overdue(_clock())
             if late is not None:
                 raise late.comm.timed_out(late)
-            if not any(_QUEUED.values()):  # nothing of ours left to time: plain wait
+            if not _QUEUED:  # nothing of ours left to time: a plain wait
                 done.synchronize()
                 return
             _sleep(pause)
