@@ -389,3 +389,25 @@ def test_abort_device_is_bounded(
     t = time.monotonic()
     assert comm_mod.abort_device(FakeNCCLGroup(abort)) is aborted
     assert time.monotonic() - t < 1.0
+
+
+def test_a_collective_the_backend_failed_raises_once(dev: Device, aborted: list[Any]) -> None:
+    """``Work.wait()`` raising (NCCL found the collective failed): one ``GradAccumError`` with
+    the backend's message, the communicator aborted as for a timeout."""
+    c = gradaccum.sync.Comm("test", None, timeout=T)
+    work = c.all_reduce(torch.ones(2), "a bucket", "gradients")
+
+    def fail(timeout: Any = None) -> bool:
+        raise RuntimeError("NCCL error: remote process exited")
+
+    work.work.wait = fail
+    want = (
+        "test: a bucket failed on rank 0: NCCL error: remote process exited. A peer process "
+        "died, failed before the boundary, or did not reach it in time (timeout: 2 s); every "
+        "rank must call the accumulated function the same number of times. Its NCCL "
+        "communicator was aborted, so this process can exit: do not use the group again, exit "
+        "every rank and restart from a checkpoint."
+    )
+    with pytest.raises(gradaccum.GradAccumError, match=f"^{re.escape(want)}$"):
+        c.wait(work, "a bucket")
+    assert aborted == [dist.group.WORLD]

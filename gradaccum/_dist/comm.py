@@ -388,13 +388,13 @@ class Comm:
         On a device (a ``Queued`` collective) only the current stream waits: the host does
         not, and the timeout is kept where the host reads ([`fetch()`][gradaccum.sync.Comm.fetch]).
         """
+        if type(work) is Queued:  # the stream waits for it, the host goes on
+            try:
+                work.work.wait()
+            except RuntimeError as err:  # NCCL found it failed: abort, as for a timeout
+                raise self.broken(what, err, device=True) from err
+            return
         try:  # failing(what), written out: this runs for every bucket of every window
-            if type(work) is Queued:  # the stream waits for it, the host goes on
-                try:
-                    work.work.wait()
-                except RuntimeError as err:  # NCCL found it failed: no use waiting for it
-                    raise self.broken(what, err, device=True) from err
-                return
             if self.timeout is None:
                 work.wait()
             else:  # the collective fails by itself after its timeout; this bound is a second line
