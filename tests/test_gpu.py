@@ -5,8 +5,9 @@ skipped without CUDA, and never runs in CI. ``GRADACCUM_GPU_TEST_ON_CPU=1`` runs
 with gloo instead, to check the tests' own logic on a machine without a GPU; the CUDA-only checks
 (``torch.cuda.set_sync_debug_mode``) skip there.
 
-One GPU cannot host two NCCL ranks: what a second rank would do (a stuck peer, mismatched trees)
-is covered by the gloo tests, not here. ``benchmarks/gpu_check.py`` runs this suite, then the
+One GPU cannot host two NCCL ranks: what a second rank would do (mismatched trees, a dead peer)
+is covered by the gloo tests. A stuck peer is simulated here, in a process of its own, by
+keeping NCCL's stream busy (``test_a_stuck_collective_raises_before_the_device_frees_it``). ``benchmarks/gpu_check.py`` runs this suite, then the
 measurements (host syncs per window, step time, memory).
 """
 
