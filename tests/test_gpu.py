@@ -7,8 +7,9 @@ with gloo instead, to check the tests' own logic on a machine without a GPU; the
 
 One GPU cannot host two NCCL ranks: what a second rank would do (mismatched trees, a dead peer)
 is covered by the gloo tests. A stuck peer is simulated here, in a process of its own, by
-keeping NCCL's stream busy (``test_a_stuck_collective_raises_before_the_device_frees_it``). ``benchmarks/gpu_check.py`` runs this suite, then the
-measurements (host syncs per window, step time, memory).
+keeping NCCL's stream busy (``test_a_stuck_collective_raises_before_the_device_frees_it``).
+``benchmarks/gpu_check.py`` runs this suite, then the measurements (host syncs per window, step
+time, memory).
 """
 
 from __future__ import annotations
