@@ -28,8 +28,10 @@ script goes on):
    ``all_reduce(overlap=False)`` (no hook in the last backward); all interleaved round-robin,
    median ms/step; the peak memory of each step; the compute floor (n x one micro-batch's
    forward and backward).
-4. ``timeout``: children with ``timeout=1`` behind a 5 s kernel: does a ``GradAccumError``
-   come, does the process survive NCCL's watchdog, its exit code.
+4. ``timeout``: children with ``timeout=1`` and a simulated stuck peer (every pooled stream,
+   NCCL's included, kept busy): when does ``GradAccumError`` come, does the process survive
+   NCCL's watchdog and exit, its exit code; a busy compute stream (late, not stuck); the
+   group's timeout shorter than the sync's; torch's own ``abort()`` against none.
 
 Public API only (``gradaccum.*``, ``gradaccum.sync.*``, ``gradaccum.loop.*``).
 """
@@ -690,84 +692,176 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
 
 # -- 4. timeouts and NCCL's watchdog -------------------------------------------------------------
 
+# One GPU cannot host a second NCCL rank, so a stuck peer is simulated: every pooled CUDA stream
+# is kept busy by a long kernel. NCCL's own stream is one of them (ProcessGroupNCCL takes it from
+# torch's pool), so a collective started then has its inputs ready at once but cannot run: what a
+# collective waiting for a dead peer looks like to this rank. A real stuck NCCL kernel ends when
+# its communicator is aborted; a sleeping one does not, so the simulated queue drains only when
+# the sleep ends (STUCK_MS), whatever the abort does.
+STUCK_MS = 5000
+POOL = 32  # torch's streams per pool and priority (c10/cuda/CUDAStream.cpp, kStreamsPerPool)
+
+
+def block_pool(ms: float) -> None:
+    """Keep every pooled CUDA stream (both priorities) busy for ``ms``: NCCL's stream included."""
+    for priority in (0, -1):
+        for _ in range(POOL):
+            with torch.cuda.stream(torch.cuda.Stream(priority=priority)):  # type: ignore[no-untyped-call]
+                sleep_ms(ms)
+
 
 def child(mode: str) -> None:
-    """One timeout probe, run alone in a child process (its exit code is part of the result)."""
-    init_group()
+    """One timeout probe, run alone in a child process (its exit code is part of the result).
+
+    It prints ``CHILD <seconds since start> <what happened>`` lines, flushed, so that what it
+    reached is known even when it is killed.
+    """
     t0 = time.perf_counter()
+    cycles = os.environ.get("GPU_CHECK_CYCLES_PER_MS")
+    if cycles:
+        C.cycles_per_ms = float(cycles)
+
+    def note(what: str) -> None:
+        print(f"CHILD {time.perf_counter() - t0:6.2f} s  {what}", flush=True)
+
+    group_s = 3 if mode == "watchdog" else 60
+    torch.cuda.set_device(C.device)
+    dist.init_process_group(
+        "nccl",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=C.device,
+        timeout=datetime.timedelta(seconds=group_s),
+    )
+    note(f"NCCL group up (its timeout {group_s} s); mode {mode}")
     try:
-        if mode == "comm_wait":  # one collective behind a 5 s kernel, waited with timeout=1
-            comm = gradaccum.sync.Comm("gpu_check comm_wait", None, timeout=1.0)
-            t = torch.ones(1 << 20, device=C.device)
-            sleep_ms(5000)
-            t0 = time.perf_counter()
-            comm.wait(comm.all_reduce(t, "a probe bucket", "gradients"), "a probe bucket")
-        else:  # a window with all_reduce(timeout=1) behind a 5 s kernel: queued before the
-            # window (step), or at the last micro-batch's forward (step_late: the buckets
-            # launched in its backward wait behind it)
+        if mode == "cost":  # a healthy run: the host polling at its reads against blocking
+            params, loss_fn, _ = mlp(2048, 8)
+            batch = (torch.randn(4096, 2048, device=C.device), torch.randn(4096, device=C.device))
+            times: dict[str, list[float]] = {"timeout=None": [], "timeout=30": []}
+            steps = {
+                k: gradaccum.accumulate(
+                    gradaccum.grad(loss_fn),
+                    4,
+                    sync=gradaccum.all_reduce(timeout=None if k == "timeout=None" else 30.0),
+                )
+                for k in times
+            }
+            for r in range(23):
+                for k, fn in steps.items():
+                    torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    fn(params, batch)
+                    torch.cuda.synchronize()
+                    if r >= 3:
+                        times[k].append(1e3 * (time.perf_counter() - t1))
+            med = {k: round(statistics.median(v), 3) for k, v in times.items()}
+            note(f"healthy step ms (median of 20, MLP 2048x8, n=4): {med}")
+        elif mode in ("raw_abort", "raw_destroy"):  # torch alone: a stuck collective, then...
+            t = torch.ones(1 << 10, device=C.device)
+            dist.all_reduce(t)  # the communicator (and its stream) exist from here
+            torch.cuda.synchronize()
+            block_pool(STUCK_MS)
+            work = dist.all_reduce(t, async_op=True)
+            work.wait()  # the stream waits; the host does not
+            time.sleep(1.0)
+            note(f"collective stuck 1 s: is_completed={work.is_completed()}")
+            if mode == "raw_abort":
+                t1 = time.perf_counter()
+                dist.group.WORLD._get_backend(torch.device("cuda")).abort()
+                note(f"backend.abort() returned after {time.perf_counter() - t1:.2f} s")
+        else:
+            timeout = 20.0 if mode == "watchdog" else 1.0
             params, loss_fn, batch = mlp(256, 2)
-            calls = [0]
+            n, calls, marks = 4, [0], []
 
             def loss(p: Any, b: Any) -> torch.Tensor:
                 calls[0] += 1
-                if mode == "step_late" and calls[0] == 4:  # window 2, micro-batch 2 of 2
-                    sleep_ms(5000)
+                marks.append(time.perf_counter())
+                if calls[0] == n + (1 if mode == "stuck_every" else n) and mode != "fingerprint":
+                    if mode == "busy":  # the compute stream, not NCCL's: late, not stuck
+                        sleep_ms(4000)
+                    else:
+                        block_pool(STUCK_MS)
                 return loss_fn(p, b)
 
-            step = gradaccum.accumulate(
-                gradaccum.grad(loss), 2, sync=gradaccum.all_reduce(timeout=1.0)
-            )
+            if mode == "stuck_every":
+                sharded = gradaccum.shard(params, bucket_mb=0.1)
+                sync: Any = gradaccum.reduce_scatter(sharded, policy="every", timeout=timeout)
+                params = sharded
+            else:
+                sync = gradaccum.all_reduce(bucket_mb=0.1, timeout=timeout)
+            step = gradaccum.accumulate(gradaccum.grad(loss), n, sync=sync)
             step(params, batch)
-            sync_device()
-            if mode == "step":
-                sleep_ms(5000)
-            t0 = time.perf_counter()
-            step(params, batch)
-        print(f"CHILD no error after {time.perf_counter() - t0:.2f} s", flush=True)
+            torch.cuda.synchronize()
+            note(f"window 1 done (sync timeout={timeout:g} s)")
+            if mode == "fingerprint":  # stuck before the window: its fingerprint exchange
+                block_pool(STUCK_MS)
+            t1 = time.perf_counter()
+            try:
+                step(params, batch)
+                note(f"window 2 done, no error, after {time.perf_counter() - t1:.2f} s")
+            except gradaccum.GradAccumError as e:
+                note(f"GradAccumError after {time.perf_counter() - t1:.2f} s: {e}")
+            forwards = [round(m - t1, 3) for m in marks[n:]]
+            note(f"window 2's forwards began at (host s): {forwards}")
     except Exception as e:  # noqa: BLE001
-        first = (str(e).splitlines() or [""])[0][:240]
-        print(
-            f"CHILD {type(e).__name__} after {time.perf_counter() - t0:.2f} s: {first}", flush=True
-        )
-    for s in (2, 4):
-        time.sleep(2)
-        ok = torch.ones(1, device=C.device).sum().item()
-        print(f"CHILD alive {s} s later; device ok: {ok == 1.0}", flush=True)
+        note(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+    note(f"host alive; torch.cuda.is_available()={torch.cuda.is_available()}")
+    t1 = time.perf_counter()
     try:
         dist.destroy_process_group()
-        print("CHILD destroy_process_group ok", flush=True)
+        note(f"destroy_process_group returned after {time.perf_counter() - t1:.2f} s")
     except Exception as e:  # noqa: BLE001
-        print(f"CHILD destroy_process_group raised {type(e).__name__}: {e}", flush=True)
+        note(f"destroy_process_group raised {type(e).__name__}: {str(e)[:200]}")
+    note("exiting")
 
 
 def timeouts() -> dict[str, Any]:
+    """Each timeout probe in a child process: what it printed, its exit code, how long it ran."""
     out: dict[str, Any] = {}
+    if not C.cuda:
+        say("skipped: the probes need CUDA and NCCL (tests/test_timeouts_device.py proxies them)")
+        return out
     runs = [
-        ("comm_wait", {}),
-        ("comm_wait", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
-        ("step", {}),
-        ("step_late", {}),
+        ("stuck", {}),
+        ("stuck", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
+        ("stuck_every", {}),
+        ("fingerprint", {}),
+        ("busy", {}),
+        ("watchdog", {}),
+        ("raw_abort", {}),
+        ("raw_destroy", {}),
+        ("cost", {}),
     ]
+    say(
+        f"a stuck peer is simulated by {STUCK_MS / 1e3:g} s kernels on every pooled stream; "
+        f"sync timeout 1 s (watchdog: 20 s against the group's 3 s)"
+    )
     for mode, extra in runs:
         name = f"{mode} {' '.join(f'{k}={v}' for k, v in extra.items()) or '(default env)'}"
-        env = {**os.environ, **extra}
-        cmd = [sys.executable, __file__, "--child", mode] + ([] if C.cuda else ["--cpu"])
+        env = {**os.environ, **extra, "GPU_CHECK_CYCLES_PER_MS": str(C.cycles_per_ms)}
+        cmd = [sys.executable, __file__, "--child", mode]
         t = time.perf_counter()
         try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=20)
             rc: Any = r.returncode
             text = r.stdout + r.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, text = "timeout after 30 s", f"{e.stdout or ''}{e.stderr or ''}"
-        lines = [ln for ln in str(text).splitlines() if ln.strip()]
+        except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= says
+            rc = "killed at 20 s"
+            text = "".join(
+                x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                for x in (e.stdout, e.stderr)
+            )
+        took = time.perf_counter() - t
+        lines = [ln for ln in text.splitlines() if ln.strip()]
         said = [ln for ln in lines if ln.startswith("CHILD")]
-        say(f"{name}: rc={rc} (negative: killed by that signal) in {time.perf_counter() - t:.1f} s")
-        say(*[f"   | {ln[:240]}" for ln in said])
-        others = [ln for ln in lines if not ln.startswith("CHILD")][-6:]
+        say(f"{name}: rc={rc} (negative: killed by that signal) after {took:.1f} s")
+        say(*[f"   | {ln[6:700]}" for ln in said])
+        others = [ln for ln in lines if not ln.startswith("CHILD")][-4:]
         say(*[f"   ! {ln[:240]}" for ln in others])
-        out[name] = {"rc": rc, "child": said, "tail": lines[-30:]}
-    if not C.cuda:
-        say("(on CPU there is no kernel to wait behind: the children show the plumbing only)")
+        out[name] = {"rc": rc, "seconds": round(took, 1), "child": said, "tail": lines[-30:]}
     return out
 
 

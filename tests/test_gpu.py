@@ -5,9 +5,11 @@ skipped without CUDA, and never runs in CI. ``GRADACCUM_GPU_TEST_ON_CPU=1`` runs
 with gloo instead, to check the tests' own logic on a machine without a GPU; the CUDA-only checks
 (``torch.cuda.set_sync_debug_mode``) skip there.
 
-One GPU cannot host two NCCL ranks: what a second rank would do (a stuck peer, mismatched trees)
-is covered by the gloo tests, not here. ``benchmarks/gpu_check.py`` runs this suite, then the
-measurements (host syncs per window, step time, memory).
+One GPU cannot host two NCCL ranks: what a second rank would do (mismatched trees, a dead peer)
+is covered by the gloo tests. A stuck peer is simulated here, in a process of its own, by
+keeping NCCL's stream busy (``test_a_stuck_collective_raises_before_the_device_frees_it``).
+``benchmarks/gpu_check.py`` runs this suite, then the measurements (host syncs per window, step
+time, memory).
 """
 
 from __future__ import annotations
@@ -622,6 +624,115 @@ def test_accumulator_add_does_not_block_the_host(timeout: float | None) -> None:
     took = _sleep_then(add)
     assert took < 0.05, f"Accumulator.add blocked the host {took * 1e3:.0f} ms behind a kernel"
     acc.finalize(box[0])
+
+
+# -- timeouts: no host-blocking wait; a stuck collective still raises --------------------------
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter every", "reduce_scatter boundary"])
+def test_a_timeout_never_blocks_the_host_inside_a_backward(kind: str) -> None:
+    """With ``timeout=`` the micro-batches are queued without waiting for the device: a 200 ms
+    kernel queued in the window's first forward does not delay the next forwards (before issue
+    28 ``policy="every"`` waited for its folds on the host, behind such a kernel: 174 ms)."""
+    import time
+
+    n = 4
+    params = mlp_params()
+    batch = regression()
+    marks: list[float] = []
+
+    def loss(p: Any, b: Any) -> torch.Tensor:
+        marks.append(time.perf_counter())
+        if len(marks) == n + 1:  # the second window's first forward
+            torch.cuda._sleep(int(200e-3 * 2e9))  # about 200 ms at 2 GHz
+        return mlp_loss(p, b)
+
+    target: Any = params
+    if kind == "all_reduce":
+        sync: Any = gradaccum.all_reduce(bucket_mb=0.01, timeout=30.0)
+    else:
+        target = gradaccum.shard(params, bucket_mb=0.01)
+        sync = gradaccum.reduce_scatter(target, policy=kind.split()[1], timeout=30.0)
+    step = gradaccum.accumulate(gradaccum.grad(loss), n, sync=sync)
+    step(target, batch)  # the first window: plans, layouts, allocations
+    step(target, batch)
+    torch.cuda.synchronize()
+    starts = [round(1e3 * (m - marks[n]), 1) for m in marks[n:]]
+    assert max(starts) < 50, f"{kind}: forwards began at {starts} ms, a 200 ms kernel queued"
+
+
+def _block_pool(seconds: float) -> None:
+    """Keep every pooled CUDA stream busy (NCCL's is one of them): a stuck peer, simulated."""
+    for priority in (0, -1):
+        for _ in range(32):  # torch's streams per pool and priority
+            with torch.cuda.stream(torch.cuda.Stream(priority=priority)):
+                torch.cuda._sleep(int(seconds * 2e9))
+
+
+@cuda_only
+def test_a_late_device_is_not_a_stuck_collective() -> None:
+    """2 s of compute ahead of a window with ``timeout=0.5``: the window completes, exact."""
+    params = mlp_params()
+    batch = regression()
+    ref = reference(params, batch)
+    step = gradaccum.accumulate(
+        gradaccum.grad(mlp_loss), 4, sync=gradaccum.all_reduce(bucket_mb=0.01, timeout=0.5)
+    )
+    step(params, batch)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2.0 * 2e9))
+    grads = step(params, batch)
+    assert not bad(rel_err(grads, ref), TOL32)
+
+
+# A stuck peer on one GPU, in a process of its own (its group is aborted, and how the process ends
+# after that is what benchmarks/gpu_check.py's "timeout" section measures): every pooled CUDA
+# stream, NCCL's included, is kept busy 4 s, so the window's collectives have their inputs ready
+# but cannot run. It prints the outcome and leaves with os._exit.
+STUCK_CHILD = """
+import datetime, os, time, torch, torch.distributed as dist, gradaccum
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                        device_id=torch.device("cuda", 0), timeout=datetime.timedelta(seconds=60))
+p = {"w": torch.randn(64, 64, device="cuda"), "b": torch.zeros(64, device="cuda")}
+x = torch.randn(32, 64, device="cuda")
+loss = lambda p, x: torch.tanh(x @ p["w"] + p["b"]).square().mean()
+sync = gradaccum.all_reduce(bucket_mb=0.001, timeout=0.5, check="never")
+step = gradaccum.accumulate(gradaccum.grad(loss), 4, sync=sync)
+step(p, x)
+torch.cuda.synchronize()
+for priority in (0, -1):
+    for _ in range(32):
+        with torch.cuda.stream(torch.cuda.Stream(priority=priority)):
+            torch.cuda._sleep(int(4.0 * 2e9))
+t = time.perf_counter()
+try:
+    step(p, x)
+    print("RESULT no error", flush=True)
+except gradaccum.GradAccumError as e:
+    print(f"RESULT {time.perf_counter() - t:.3f} {e}", flush=True)
+os._exit(0)
+"""
+
+
+@cuda_only
+@pytest.mark.distributed
+def test_a_stuck_collective_raises_before_the_device_frees_it() -> None:
+    """``timeout=0.5`` and a collective that cannot run for 4 s: ``GradAccumError`` names it
+    about 0.5 s after the host reached the boundary, not when the device frees it."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", STUCK_CHILD], capture_output=True, text=True, timeout=60
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"no result (rc {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}"
+    took, _, message = lines[0].removeprefix("RESULT ").partition(" ")
+    assert took != "no", f"no error: {r.stderr[-2000:]}"
+    assert "failed on rank 0: it had not completed 0.5 s after its inputs were ready" in message
+    assert 0.5 < float(took) < 2.5, f"raised after {took} s: {message}"
 
 
 def test_suite_device_is_what_it_claims() -> None:

@@ -1,11 +1,22 @@
-"""The transport: every collective gradaccum issues, with its timeout enforced by the backend.
+"""The transport: every collective gradaccum issues, with its timeout enforced without a host stall.
 
 On CPU tensors (gloo) the timeout goes into the collective's own options
 (``AllreduceOptions.timeout`` and the like), so the backend fails the collective itself, on
 every kind: ``Work.wait(timeout)`` is not enough (gloo ignores it for reduce-scatter, and a
 collective left pending makes a late peer block in it); docs/sync.md ("A dead or stuck peer")
-has the user's side. On accelerators (NCCL) a collective past its own timeout makes the
-watchdog end the process, so there the timeout stays on ``Work.wait``, which NCCL honours.
+has the user's side.
+
+On CUDA (NCCL) a ``Work.wait(timeout)`` blocks the host thread until the collective ends, and a
+collective past its own timeout makes NCCL's watchdog end the process. So there the timeout is
+kept by the host where it already waits, and nowhere else: ``Comm.wait`` only makes the current
+stream wait (``Work.wait()``, no host stall, inside a backward too), each collective is kept in
+its group's queue with an event marking its inputs ready, and the window's host reads
+([`Comm.fetch()`][gradaccum.sync.Comm.fetch], the fingerprint's event in ``agree``) poll instead
+of blocking: a collective at the head of its group's queue whose inputs have been ready for
+``timeout`` seconds is stuck (a peer is dead or late), and becomes a ``GradAccumError`` on every
+rank that waits for it. The group's NCCL communicator is then aborted, so that the stuck kernel
+ends and the process can exit. A busy device is not a stuck collective: the clock starts when
+the inputs are ready, not when the host queued the collective.
 
 No collective outlives its failure. A gloo collective runs in one of the backend's worker threads
 until it completes or its own timeout fires, whether or not anyone still waits for it, and torch
@@ -25,6 +36,8 @@ import contextlib
 import datetime
 import hashlib
 import re
+import threading
+import time
 import weakref
 from collections.abc import Iterator
 from itertools import zip_longest
@@ -44,8 +57,10 @@ from .record import record
 __all__ = [
     "Comm",
     "Probe",
+    "Queued",
     "bucket_what",
     "in_flight",
+    "queued",
     "settle",
     "to_device",
 ]
@@ -83,6 +98,112 @@ _ABANDONED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionar
 def in_flight(group: Any) -> list[Any]:
     """The CPU collectives started on ``group`` through a ``Comm`` and not yet waited for."""
     return [w for w in _IN_FLIGHT.get(group, ()) if not w.is_completed()]
+
+
+def on_device(tensor: torch.Tensor) -> bool:
+    """Whether a collective on ``tensor`` runs in a device queue whose timeout the host keeps.
+
+    CUDA: there ``Work.wait`` only makes the current stream wait, and the deadline is kept by
+    the host reads ([`Comm.fetch()`][gradaccum.sync.Comm.fetch]). (Tests replace it, with fake
+    works and events, to drive that path on the CPU.)
+    """
+    return tensor.device.type == "cuda"
+
+
+def new_event() -> Any:
+    """An event recorded now on the current CUDA stream (tests replace it with a fake)."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+# How the host polls for a device read with collectives queued: the first pause, the longest.
+POLL_FIRST, POLL_MAX = 5e-5, 5e-4
+_clock, _sleep = time.monotonic, time.sleep  # tests replace them (a fake clock, counted pauses)
+ABORT_S = 10.0  # the longest wait for a NCCL communicator's abort
+
+
+class Queued:
+    """A collective started on a device by a ``Comm`` with a ``timeout``: kept until it completes.
+
+    ``ready`` is an event recorded on the current stream as it started: it completes when the
+    collective's inputs are ready, so the collective's own time (waiting for the peers) is
+    counted from then (``since``: when the host first saw it ready at the head of its group's
+    queue). The collective's methods (``wait``, ``is_completed``, ...) are its ``work``'s.
+    """
+
+    __slots__ = ("comm", "ready", "since", "what", "work")
+
+    def __init__(self, work: Any, what: str, ready: Any, comm: Comm) -> None:
+        self.work, self.what, self.ready, self.comm = work, what, ready, comm
+        self.since: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+# The device collectives a Comm with a timeout started, per process group, in the order they
+# were started (which is the order a NCCL group's queue runs them), until they complete. A plain
+# dict: each entry's Comm holds its group anyway, and a group leaves with its last entry (empty
+# when no such collective was started: the reads' one test on the CPU path).
+_QUEUED: dict[Any, list[Queued]] = {}
+
+
+def queued(group: Any) -> list[Queued]:
+    """The device collectives started on ``group`` through a ``Comm`` with a timeout, not done."""
+    return [q for q in _QUEUED.get(group, ()) if not q.work.is_completed()]
+
+
+def overdue(now: float) -> Queued | None:
+    """A queued collective whose inputs have been ready for its ``Comm``'s timeout, or ``None``.
+
+    Only the head of each group's queue can be stuck (a group's collectives run in order). It is
+    timed from the first call that saw its inputs ready; the completed ones are dropped.
+    """
+    for group, queue in list(_QUEUED.items()):
+        while queue and queue[0].work.is_completed():
+            queue.pop(0)
+        if not queue:
+            del _QUEUED[group]
+            continue
+        head = queue[0]
+        if head.since is None:
+            if head.ready.query():
+                head.since = now
+        elif now - head.since > (head.comm.timeout or 0.0):  # queued only with a timeout
+            return head
+    return None
+
+
+def abort_device(group: Any) -> bool:
+    """Abort ``group``'s NCCL communicator, so that its stuck collectives end; whether it could.
+
+    The backend's own ``abort()`` (torch's ``_abort_process_group`` would also remove the group
+    from torch.distributed's tables, and, for the default group, every group). ``False`` where the
+    group is not NCCL's, or the abort is missing (no ``ProcessGroupNCCL.abort``), failed, or
+    did not return within ``ABORT_S`` seconds.
+    """
+    if "nccl" not in str(dist.get_backend(group)):
+        return False
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except (RuntimeError, AttributeError):
+        return False
+    abort = getattr(backend, "abort", None)
+    if abort is None:
+        return False
+    done: list[bool] = []
+
+    def run() -> None:
+        with contextlib.suppress(RuntimeError):
+            abort()
+            done.append(True)
+
+    # Bounded: ncclCommAbort has been seen to hang; the error is then raised all the same.
+    thread = threading.Thread(target=run, name="gradaccum-abort", daemon=True)
+    thread.start()
+    thread.join(ABORT_S)
+    return bool(done)
 
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
@@ -147,7 +268,10 @@ class Comm:
             ``"accumulate(loss, n=4)(...)"``); may be changed later (``comm.where = ...``).
         group: A process group, ``None`` for the default group, or a 1-D ``DeviceMesh`` (its
             group; the collectives are recorded with its dim name).
-        timeout: Seconds after which each collective fails; ``None``: the group's timeout.
+        timeout: Seconds after which each collective fails; ``None``: the group's timeout. On
+            the CPU the backend fails the collective; on CUDA the host does, at its next read
+            ([`fetch()`][gradaccum.sync.Comm.fetch]), counting from when the collective's inputs
+            were ready.
         check: ``"fingerprint"``, ``"full"`` or ``"never"``, as in
             [`all_reduce()`][gradaccum.all_reduce].
         what: How the sync calls itself when torch.distributed is missing.
@@ -167,6 +291,8 @@ class Comm:
         >>> comm = gradaccum.sync.Comm("my_sync", None, timeout=60)
         >>> t = torch.ones(3)
         >>> comm.wait(comm.all_reduce(t, "my bucket", "gradients"), "my bucket")
+        >>> comm.fetch(t)  # a host read; on CUDA it polls, bounded by the timeout
+        [1.0, 1.0, 1.0]
         >>> comm.drain()  # what a failure does first: wait until nothing is in flight on the group
         >>> comm.rank, comm.world, t
         (0, 1, tensor([1., 1., 1.]))
@@ -212,7 +338,7 @@ class Comm:
         """Start an in-place sum (or ``op``) of ``tensor`` over the group."""
         record("all_reduce", self.group, tensor.dtype, tensor.numel(), purpose, self.dim)
         with self.failing(what):
-            return self.started(all_reduce(tensor, self.group, self.timeout, op), tensor)
+            return self.started(all_reduce(tensor, self.group, self.timeout, op), tensor, what)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start a sum of ``inp`` over the group, this rank's chunk of it into ``out``."""
@@ -220,14 +346,14 @@ class Comm:
         opts = _options(c10d.ReduceScatterOptions(), self.timeout, inp)
         opts.reduceOp = dist.ReduceOp.SUM
         with self.failing(what):
-            return self.started(self.group._reduce_scatter_base(out, inp, opts), inp)
+            return self.started(self.group._reduce_scatter_base(out, inp, opts), inp, what)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str, purpose: str) -> Any:
         """Start gathering every rank's ``inp`` into ``out``, in rank order."""
         record("all_gather", self.group, out.dtype, out.numel(), purpose, self.dim)
         opts = _options(c10d.AllgatherOptions(), self.timeout, inp)
         with self.failing(what):
-            return self.started(self.group._allgather_base(out, inp, opts), inp)
+            return self.started(self.group._allgather_base(out, inp, opts), inp, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str, purpose: str) -> Any:
         """Start a broadcast of ``tensor`` from rank ``src``."""
@@ -235,18 +361,39 @@ class Comm:
         opts = _options(c10d.BroadcastOptions(), self.timeout, tensor)
         opts.rootRank, opts.rootTensor = src, 0
         with self.failing(what):
-            return self.started(self.group.broadcast([tensor], opts), tensor)
+            return self.started(self.group.broadcast([tensor], opts), tensor, what)
 
-    def started(self, work: Any, tensor: torch.Tensor) -> Any:
-        """Keep ``work``, a collective just started on ``tensor``, until it is waited for."""
-        if tensor.device.type == "cpu":  # a gloo worker thread runs it
+    def started(self, work: Any, tensor: torch.Tensor, what: str = "a collective") -> Any:
+        """Keep ``work``, the collective ``what`` just started on ``tensor``, until it ends.
+
+        On a device with a ``timeout`` it comes back as a ``Queued`` (the work, with the event
+        that marks its inputs ready), which ``wait`` and the bounded reads know. On the CPU it
+        is kept for [`drain()`][gradaccum.sync.Comm.drain].
+        """
+        if self.timeout is not None and on_device(tensor):
+            queue = _QUEUED.setdefault(self.group, [])
+            while queue and queue[0].work.is_completed():  # ended: nothing left to time
+                queue.pop(0)
+            work = Queued(work, what, new_event(), self)
+            queue.append(work)
+        elif tensor.device.type == "cpu":  # a gloo worker thread runs it
             works = _IN_FLIGHT.setdefault(self.group, [])
             works[:] = [w for w in works if not w.is_completed()]  # waited for elsewhere
             works.append(work)
         return work
 
     def wait(self, work: Any, what: str) -> None:
-        """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``."""
+        """Wait for ``work`` (at most the timeout); a failure raises ``GradAccumError``.
+
+        On a device (a ``Queued`` collective) only the current stream waits: the host does
+        not, and the timeout is kept where the host reads ([`fetch()`][gradaccum.sync.Comm.fetch]).
+        """
+        if type(work) is Queued:  # the stream waits for it, the host goes on
+            try:
+                work.work.wait()
+            except RuntimeError as err:  # NCCL found it failed: abort, as for a timeout
+                raise self.broken(what, err, device=True) from err
+            return
         try:  # failing(what), written out: this runs for every bucket of every window
             if self.timeout is None:
                 work.wait()
@@ -257,6 +404,57 @@ class Comm:
         works = _IN_FLIGHT.get(self.group)
         if works:
             works[:] = [w for w in works if w is not work]
+
+    def fetch(self, tensor: torch.Tensor, done: Any = None) -> list[Any]:
+        """``tensor.tolist()``: a host read, waiting for the collectives at most their timeout.
+
+        With device collectives queued by a ``Comm`` with a ``timeout``, the host does not block
+        in the read: it waits for an event recorded after ``tensor`` (or for ``done``, an event
+        that marks ``tensor`` ready), polling, and raises
+        [`GradAccumError`][gradaccum.GradAccumError] naming the collective when one has had
+        its inputs ready for its timeout without completing
+        ([`until()`][gradaccum.sync.Comm.until]). Otherwise (the CPU, no timeout) it is
+        ``tensor.tolist()``, which waits as long as it takes.
+        """
+        if done is None and _QUEUED and on_device(tensor):
+            done = new_event()
+        if done is not None:
+            self.until(done)
+        return tensor.tolist()
+
+    def until(self, done: Any) -> None:
+        """Wait for the event ``done``; raise if a queued collective is stuck past its timeout.
+
+        The host polls (``done.query()``, pausing 50 us, growing to 0.5 ms) and, between polls,
+        looks at the head of each group's queue: the collective that has had its inputs ready for
+        its ``Comm``'s timeout without completing raises
+        [`GradAccumError`][gradaccum.GradAccumError] here, on every rank that waits for it (each
+        by its own clock), and its group's NCCL communicator is aborted. Done at once: no pause.
+        """
+        if done.query():
+            return
+        pause = POLL_FIRST
+        while True:
+            late = overdue(_clock())
+            if late is not None:
+                raise late.comm.timed_out(late)
+            if not _QUEUED:  # nothing of ours left to time: a plain wait
+                done.synchronize()
+                return
+            _sleep(pause)
+            if done.query():
+                return
+            pause = min(2 * pause, POLL_MAX)
+
+    def timed_out(self, late: Queued) -> GradAccumError:
+        """The error for ``late``, a device collective of this ``Comm`` stuck past its timeout."""
+        return self.broken(
+            late.what,
+            TimeoutError(
+                f"it had not completed {self.timeout:g} s after its inputs were ready on this rank"
+            ),
+            device=True,
+        )
 
     def drain(self) -> None:
         """Wait until every CPU collective started on the group through a ``Comm`` has ended.
@@ -288,21 +486,36 @@ class Comm:
         except RuntimeError as err:
             raise self.broken(what, err) from err
 
-    def broken(self, what: str, err: Exception) -> GradAccumError:
+    def broken(self, what: str, err: Exception, device: bool = False) -> GradAccumError:
         """The error for a failed collective ``what``; the group is marked broken and drained.
 
         Every other collective started on the group has ended when this returns
-        ([`drain()`][gradaccum.sync.Comm.drain]).
+        ([`drain()`][gradaccum.sync.Comm.drain]). ``device``: a device collective timed out; its
+        group's NCCL communicator is aborted, so that the stuck kernel ends and the process can
+        exit (the message says whether it was).
         """
         mark_broken(self.group)
+        aborted = False
+        if device:
+            _QUEUED.pop(self.group, None)
+            aborted = abort_device(self.group)
         self.drain()
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
         cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        then = "The process group cannot be reused: destroy it and restart from a checkpoint."
+        if device:
+            then = (
+                "Its NCCL communicator was aborted, so this process can exit: do not use the "
+                "group again, exit every rank and restart from a checkpoint."
+                if aborted
+                else "Its communicator could not be aborted (no ProcessGroupNCCL.abort, or it "
+                "failed or hung): exit the process with os._exit(1) and restart every rank from "
+                "a checkpoint."
+            )
         return GradAccumError(
             f"{self.where}: {what} failed on rank {self.rank}: {cause}. A peer process died, "
             f"failed before the boundary, or did not reach it in time (timeout: {limit}); every "
-            f"rank must call the accumulated function the same number of times. The process "
-            f"group cannot be reused: destroy it and restart from a checkpoint."
+            f"rank must call the accumulated function the same number of times. {then}"
         )
 
     def lines(self, desc: tuple[str, ...]) -> tuple[str, ...]:
@@ -355,17 +568,16 @@ class Comm:
         [`GradAccumError`][gradaccum.GradAccumError] and no collective of the window was sent.
 
         The window's one host read for its fingerprint: on CUDA it waits for the probe's copy
-        (an event on the side stream), not for the compute stream. With a ``timeout`` the wait
-        for the collective blocks the host, bounded by it, as every ``Comm.wait`` does.
+        (an event on the side stream), not for the compute stream. With a ``timeout`` it polls
+        that event, bounded by the timeout ([`until()`][gradaccum.sync.Comm.until]).
         """
         if probe is None:
             return
-        self.wait(probe.work, FINGERPRINT)
-        if probe.event is not None:  # CUDA: wait for the side stream's copy, then read it
-            probe.event.synchronize()
-            hi, neg_lo = probe.host.tolist()  # type: ignore[union-attr]
+        if probe.event is not None:  # NCCL: the side stream waited; wait for its copy, read it
+            hi, neg_lo = self.fetch(probe.host, probe.event)  # type: ignore[arg-type]
         else:
-            hi, neg_lo = probe.tensor.tolist()
+            self.wait(probe.work, FINGERPRINT)
+            hi, neg_lo = self.fetch(probe.tensor)
         if hi == -neg_lo and self.check != "full":
             return
         self.compare(probe.desc, subject)
@@ -457,7 +669,7 @@ class Comm:
         tail = to_device([0.0] * (TAIL + m) + list(extra), torch.float64, device)
         self.fill(tail, weight, failed)
         self.wait(self.all_reduce(tail, "the weight all_reduce", "weight"), "the weight all_reduce")
-        out = list(tail.tolist())
+        out = self.fetch(tail)
         if window is not None:
             window.totals = (out[0], out[TAIL : TAIL + m])
         return out[:TAIL] + out[TAIL + m :]

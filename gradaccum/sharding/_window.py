@@ -318,7 +318,7 @@ class ScatterWindow(Window):
             self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what))
             while self.rworks:
                 self.rcomm.wait(*self.rworks.pop(0))
-        total = self.comm.read(tail.tolist(), failed, world)
+        total = self.comm.read(self.comm.fetch(tail), failed, world)
         with torch.no_grad():
             _reduce.normalise(self.spec.reduction, self.out, total)  # type: ignore[arg-type]
             return tuple(o.to(s.dtype) for o, s in zip(self.out, self.sync.sharded.shards))

@@ -280,7 +280,7 @@ class BucketWindow(Window):
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
-            total = self.comm.read(tail.tolist(), failed)
+            total = self.comm.read(self.comm.fetch(tail), failed)
             if self.hinted and not failed:
                 # Reached on every rank or on none (settle raises where another rank failed).
                 self.sync._totals[self.layout] = total
@@ -320,7 +320,7 @@ class BucketWindow(Window):
             sums = to_device(pos, torch.float64, self.plan.buckets[0].device)
             what = "the bucket order all_reduce"
             self.comm.wait(self.comm.all_reduce(sums, what, "bucket order"), what)
-            agreed = sums.tolist()
+            agreed = self.comm.fetch(sums)
         rank = {i: r for r, i in enumerate(leaf_order(lay.paths))}
         order = sorted(rank, key=lambda i: (agreed[i], rank[i]))
         sync._plans[lay] = sync._make_plan(lay, order)
