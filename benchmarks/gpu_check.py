@@ -72,6 +72,7 @@ class Config:
     device = torch.device("cpu")
     backend = "gloo"
     cycles_per_ms = 1.9e6  # torch.cuda._sleep's clock, calibrated at start
+    profile = False  # --profile: cProfile the LM contenders' host time
 
 
 C = Config()
@@ -674,6 +675,9 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
         ["n", "contender", "ms", "/hand", "min", "max", "floor", "gap", "peak", "peak-before"], rows
     )
     say(f"({total_s:.1f} s for {(warm + steps) * len(contenders) * sum(ns)} micro-batches)")
+    if C.profile:
+        for name in ("gradaccum", "gradaccum-local", "hand+read"):
+            profile_host(name, contenders[name], 4)
     return {
         "shape": shape,
         "micro_batch": mb,
@@ -865,6 +869,36 @@ def timeouts() -> dict[str, Any]:
     return out
 
 
+def profile_host(name: str, fn: Callable[[int], None], n: int, steps: int = 6) -> None:
+    """Where the host's time goes in ``steps`` steps of ``fn(n)``: cProfile, by own time.
+
+    A host read shows as the time of the call that waits (``tolist``, ``item``,
+    ``Event.synchronize``); the rest is the Python and the launches around the kernels.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    sync_device()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        fn(n)
+    prof.disable()
+    sync_device()
+    ms = 1e3 * (time.perf_counter() - t) / steps
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    stats.print_stats(22)
+    say(f"-- host profile of {name} at n = {n}: {ms:.1f} ms/step under cProfile, top own time:")
+    body = out.getvalue().splitlines()
+    start = next((i for i, line in enumerate(body) if "ncalls" in line), 0)
+    for line in body[start:]:
+        if line.strip():
+            say("   " + line.replace(str(Path(gradaccum.__file__).parent.parent), "")[:150])
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -878,8 +912,10 @@ def main() -> None:
     ap.add_argument(
         "--skip", nargs="*", default=[], help="sections to skip: suite syncs lm timeout"
     )
+    ap.add_argument("--profile", action="store_true", help="cProfile the LM's host, n = 4")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    C.profile = args.profile
     C.cuda = torch.cuda.is_available() and not args.cpu
     C.device = torch.device("cuda", 0) if C.cuda else torch.device("cpu")
     C.backend = "nccl" if C.cuda else "gloo"

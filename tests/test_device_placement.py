@@ -299,13 +299,9 @@ def test_an_empty_layouts_bucket_over_an_nccl_group_is_on_its_device(
 
 # -- the default device: a tensor made without device= is caught --------------------------------
 
-# The paths whose fingerprint and tail go through gradaccum._dist.comm.to_device, which makes a
-# CPU tensor with torch.tensor(values, dtype=...) and no device=: under
-# torch.set_default_device(...) it lands on the default device, not the gradients' (issue 28,
-# reported to the transport's owner).
-_TO_DEVICE = pytest.mark.xfail(
-    strict=True, raises=WrongDevice, reason="comm.to_device makes CPU tensors on the default device"
-)
+# The fingerprint and the tail go through gradaccum._dist.comm.to_device, which makes its CPU
+# tensors with device= (before issue 28 it did not: under torch.set_default_device(...) they
+# landed on the default device, not the gradients').
 
 
 def _default_device_window(case: str) -> None:
@@ -319,29 +315,7 @@ def _default_device_window(case: str) -> None:
         torch.set_default_device(None)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(case, marks=[] if case == "boundary functions with group=" else _TO_DEVICE)
-        for case in CASES
-    ],
-)
-@pytest.mark.usefixtures("seen")
-def test_collectives_follow_the_params_not_the_default_device(case: str) -> None:
-    _default_device_window(case)
-
-
-def _to_device_on(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``comm.to_device`` as it should be on the CPU: the tensor made on ``device``."""
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.usefixtures("seen")
-def test_with_to_device_fixed_everything_else_follows_the_params(
-    monkeypatch: pytest.MonkeyPatch, case: str
-) -> None:
-    """Past ``to_device`` (patched to pass ``device=``), no tensor takes the default device."""
-    monkeypatch.setattr(comm, "to_device", _to_device_on)
-    monkeypatch.setattr(gradaccum.sync._all_reduce, "to_device", _to_device_on)
+def test_collectives_follow_the_params_not_the_default_device(case: str) -> None:
     _default_device_window(case)

@@ -88,7 +88,8 @@ class HostReads:
             self._saved[f"torch.{name}"] = made
 
             def make(*a: Any, _name: str = name, _f: Any = made, **k: Any) -> Any:
-                if k.get("device") is not None:  # a host-to-device copy, on a device
+                device = k.get("device")
+                if device is not None and torch.device(device).type != "cpu":  # a copy to a device
                     self._note(f"torch.{_name}(device=)")
                 return _f(*a, **k)
 

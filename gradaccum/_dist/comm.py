@@ -244,9 +244,7 @@ def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> to
     current stream (``torch.tensor(..., device=)`` would copy from pageable memory and wait for
     the device); on the CPU it is a plain tensor.
     """
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
+    if device.type != "cuda":  # device= even on the CPU: not the default device's
         return torch.tensor(values, dtype=dtype, device=device)
     host = torch.tensor(values, dtype=dtype, pin_memory=True)
     return host.to(device, non_blocking=True)
