@@ -121,7 +121,9 @@ class _Slots:
         params: The module's parameters by name, one name per tensor (``named_parameters()``).
         buffers: Its buffers' names, one per tensor (``named_buffers()``).
         tied: Each name of a tensor that has several -> all of its names.
-        fsdp: Some submodule is wrapped with FSDP2's ``fully_shard`` (its hooks must be lifted).
+        fsdp: Some submodule is wrapped with FSDP2's ``fully_shard`` (its hooks must be lifted),
+            or keeps its tensors in something other than plain dicts (a ``ScriptModule``), or
+            the module is a ``DataParallel``: the call goes through ``functional_call``.
     """
 
     __slots__ = (
@@ -146,10 +148,14 @@ class _Slots:
         self._stores: list[dict[str, Any]] = []
         self.where: dict[str, tuple[dict[str, Any], str]] = {}
         by_tensor: dict[int, list[str]] = {}
-        self.fsdp = False
+        # functional_call refuses DataParallel (and jit): left to it, for its error
+        self.fsdp = isinstance(module, torch.nn.DataParallel)
         for name, sub in module.named_modules(remove_duplicate=False):
             prefix = f"{name}." if name else ""
             self.fsdp = self.fsdp or callable(getattr(sub, "_get_fsdp_state", None))
+            stores = (sub._parameters, sub._buffers, sub._modules)
+            if not all(type(store) is dict for store in stores):  # a ScriptModule's wrappers
+                self.fsdp = True  # not swapped here: functional_call decides (and refuses jit)
             for store in (sub._parameters, sub._buffers, sub._modules):
                 self._stores.append(store)
                 for key, value in store.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -200,3 +201,54 @@ def test_call_module_unknown_keys_without_strict_go_through_functional_call() ->
     out, _ = gradaccum.call_module(model, params, {}, x, strict=False)
     assert torch.equal(out, model(x))
     assert not hasattr(model, "not_there")  # set for the call only, as functional_call does
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*:DeprecationWarning")
+def test_call_module_of_a_scripted_or_data_parallel_module_raises_as_functional_call() -> None:
+    model = torch.nn.Linear(2, 1)
+    x = torch.randn(3, 2)
+    for wrapped in (torch.jit.script(model), torch.nn.DataParallel(model)):
+        params = {k: v.detach() for k, v in wrapped.named_parameters()}
+        with pytest.raises(RuntimeError) as want:
+            functional_call(wrapped, params, (x,))
+        with pytest.raises(RuntimeError, match=re.escape(str(want.value))):
+            gradaccum.call_module(wrapped, params, {}, x)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def _modules_of_every_shape() -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(3, 3)
+    parametrized = torch.nn.Linear(3, 3)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", _Scale())
+    return {
+        "shared submodule": torch.nn.Sequential(shared, torch.nn.Tanh(), shared),
+        "parametrization": torch.nn.Sequential(parametrized, torch.nn.Tanh()),
+        "buffers": torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)),
+        "tied": _Tied(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_modules_of_every_shape()))
+def test_call_module_equals_functional_call_on_every_module_shape(name: str) -> None:
+    model = _modules_of_every_shape()[name].to(F64)
+    x = torch.tensor([0, 3, 4]) if name == "tied" else torch.randn(5, 3, dtype=F64)
+    params = {k: v * 1.5 for k, v in gradaccum.params_of(model).items()}
+    own = dict(model.named_parameters(remove_duplicate=False))
+    for _ in range(2):  # the first call builds the slots, the second reuses them
+        buffers = gradaccum.buffers_of(model)
+        before = {k: v.clone() for k, v in buffers.items()}
+        out, new_buffers = gradaccum.call_module(model, params, buffers, x)
+        # On a copy: torch's functional_call leaves a shared submodule's parameter replaced by
+        # the given tensor (it restores the two names in order, not in reverse; torch 2.13).
+        twin = copy.deepcopy(model)
+        want = functional_call(twin, {**params, **{k: v.clone() for k, v in before.items()}}, (x,))
+        assert torch.equal(out, want)
+        for k, v in buffers.items():  # the buffers passed in are untouched; copies were updated
+            assert torch.equal(v, before[k])
+            assert new_buffers[k] is not v
+    assert all(p is own[k] for k, p in model.named_parameters(remove_duplicate=False))
