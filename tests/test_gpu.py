@@ -300,26 +300,29 @@ def test_fsdp2_model_trains_through_reduce_scatter(policy: str) -> None:
     assert not bad(rel_err(grads, net_reference(batch)), TOL32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 28 (3): FSDP2's MixedPrecisionPolicy(param_dtype=bf16) is silently ignored: "
-    "gradaccum.shard(model) gathers float32 params (Sharded.gather via the FSDP2 locals), "
-    "neither honoured nor refused",
+@pytest.mark.parametrize("policy", ["boundary", "every"])
+@pytest.mark.parametrize(
+    ("reduce_dtype", "wire"), [(None, torch.bfloat16), (torch.float32, torch.float32)]
 )
-def test_fsdp2_mixed_precision_policy_is_honoured_or_refused() -> None:
+def test_fsdp2_mixed_precision_policy_is_honoured(
+    policy: str, reduce_dtype: torch.dtype | None, wire: torch.dtype
+) -> None:
+    """FSDP2's ``MixedPrecisionPolicy``: bf16 params for the forward, the policy's wire dtype.
+
+    As FSDP2: the rows are cast to ``param_dtype`` for the all-gather, the gradients travel in
+    ``reduce_dtype`` (``param_dtype`` when None), the sums and the gradients stay float32.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     batch = regression()
-    model = fsdp2_model(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    try:
-        grads, seen = fsdp2_grads(model, "boundary", batch)
-    except (TypeError, ValueError) as e:  # refused: the message must say what to do
-        message = str(e)
-        assert "param_dtype" in message or "MixedPrecisionPolicy" in message, message
-        return
-    # Honoured: the compute saw bf16 params, and the fp32 gradients are those of bf16 compute.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    model = fsdp2_model(mp)
+    with gradaccum.sync.record_collectives() as log:
+        grads, seen = fsdp2_grads(model, policy, batch)
     assert set(seen) == {torch.bfloat16}, f"the loss saw params of {sorted(map(str, set(seen)))}"
+    assert {g.dtype for g in grads.values()} == {torch.float32}
+    assert {c.dtype for c in log if c.kind == "all_gather"} == {torch.bfloat16}
+    assert {c.dtype for c in log if c.kind == "reduce_scatter"} == {wire}
     assert not bad(rel_err(grads, net_reference(batch, torch.bfloat16)), 5e-2)
 
 
