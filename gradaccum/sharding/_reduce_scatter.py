@@ -254,7 +254,7 @@ def reduce_scatter(
             the accumulation dtype, exact; for an FSDP2 model, the dtype of its units'
             ``MixedPrecisionPolicy`` (``reduce_dtype``, or ``param_dtype`` when that is None,
             as FSDP2 reduces). Sharded hybrid, the replicas' all-reduce stays in the
-            accumulation dtype ([mixed precision](../scale.md#mixed-precision)).
+            accumulation dtype ([the wire dtype](../sharded.md#the-wire-dtype)).
 
     Returns:
         A [`ReduceScatter`][gradaccum.sharding.ReduceScatter].
