@@ -179,7 +179,7 @@ class Sharded:
                 works.append((comm.all_gather(wire, mine, what, "params"), what, b, wire, mine))
             for work, what, b, wire, _mine in works:  # _mine lives until it is waited on
                 comm.wait(work, what)
-                full = b.from_wire(wire)
+                full = b.from_wire(wire) if b.parts else wire  # FSDP2's units: copy-out
                 for i, off in zip(b.members, b.offsets):
                     views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return _tree.unflatten(lay.spec, views)

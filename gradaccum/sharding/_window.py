@@ -48,7 +48,13 @@ class ScatterWindow(Window):
                 f"{where}: mixed accumulation dtypes within a shard are not supported."
             )
         # The dtype each bucket travels in (None: its accumulation dtype, no cast).
-        self.wire = [sync.wire_dtype(b, a) for b, a in zip(plan.buckets, self.accum)]
+        self.wire: list[torch.dtype | None] = [None] * len(plan.buckets)
+        if sync.reduce_dtype is not None or sp.fsdp is not None:
+            self.wire = [sync.wire_dtype(b, a) for b, a in zip(plan.buckets, self.accum)]
+        # Whether a bucket goes on the wire as it is (no copy into rank order, no cast).
+        self.as_is = [
+            w is None and not (b.parts and b.interleaved) for b, w in zip(plan.buckets, self.wire)
+        ]
         what = "sync=reduce_scatter(...)"
         self.comm = self.connect(sp.axis, sync.timeout, sync.check, what)
         # Hybrid: the replicas' group; the shards are all-reduced over it once per window.
@@ -239,12 +245,12 @@ class ScatterWindow(Window):
         while len(self.in_flight) >= MAX_IN_FLIGHT:
             self._fold(self.in_flight.pop(0))
         region = self.out[b.shard][b.start : b.start + b.chunk]
-        wire = self.wire[k] or self.accum[k]
-        inp = b.to_wire(buf, wire)
-        if self.steps == 0 and wire == region.dtype:
+        wire = self.wire[k]
+        inp = buf if self.as_is[k] else b.to_wire(buf, wire or self.accum[k])
+        if self.steps == 0 and wire is None:
             target = region
         else:
-            target = torch.empty(b.chunk, dtype=wire, device=b.device)
+            target = torch.empty(b.chunk, dtype=inp.dtype, device=b.device)
         what = bucket_what("reduce_scatter", self.plan.buckets, k)
         work = self.comm.reduce_scatter(target, inp, what, "gradients (every)")
         self.in_flight.append((work, what, region, target, inp))
@@ -278,10 +284,9 @@ class ScatterWindow(Window):
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
-            inp = b.to_wire(buf, self.wire[k] or self.accum[k])
-            target = (
-                region if inp.dtype == region.dtype else torch.empty_like(region, dtype=inp.dtype)
-            )
+            wire = self.wire[k]
+            inp = buf if self.as_is[k] else b.to_wire(buf, wire or self.accum[k])
+            target = region if wire is None else torch.empty(b.chunk, dtype=wire, device=b.device)
             what = bucket_what("reduce_scatter", self.plan.buckets, k)
             work = self.comm.reduce_scatter(target, inp, what, "gradients")
             self.bound_works.append((work, what, k, region, target, inp))
