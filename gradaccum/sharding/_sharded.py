@@ -27,6 +27,7 @@ from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout
 from ._fsdp import FsdpParams, dtensor_grads, fsdp_params, local_chunk
 from ._plan import ShardBucket, ShardPlan, make_shard_plan
+from ._window import MAX_IN_FLIGHT
 
 __all__ = ["Sharded", "shard"]
 
@@ -166,7 +167,18 @@ class Sharded:
         lay, plan = self.layout, self.plan
         comm = Comm(where, self.axis, timeout)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        works = []
+        # An FSDP2 model's inputs (and, packed, its outputs) are copies: at most MAX_IN_FLIGHT
+        # of them live at once. Plain shards' inputs are views, and all go out at once.
+        bound = MAX_IN_FLIGHT if self.fsdp is not None else len(plan.buckets)
+        works: list[tuple[Any, str, ShardBucket, torch.Tensor, torch.Tensor]] = []
+
+        def land() -> None:
+            work, what, b, wire, _mine = works.pop(0)  # _mine lives until it is waited on
+            comm.wait(work, what)
+            full = b.from_wire(wire) if b.parts else wire  # FSDP2's units: copy-out
+            for i, off in zip(b.members, b.offsets):
+                views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 dtype = self.gather_dtypes[k]
@@ -177,11 +189,10 @@ class Sharded:
                     mine = self.shards[b.shard][b.start : b.start + b.chunk]
                 what = bucket_what("all_gather", plan.buckets, k, "params bucket")
                 works.append((comm.all_gather(wire, mine, what, "params"), what, b, wire, mine))
-            for work, what, b, wire, _mine in works:  # _mine lives until it is waited on
-                comm.wait(work, what)
-                full = b.from_wire(wire) if b.parts else wire  # FSDP2's units: copy-out
-                for i, off in zip(b.members, b.offsets):
-                    views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
+                if len(works) >= bound:
+                    land()
+            while works:
+                land()
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
