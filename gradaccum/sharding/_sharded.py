@@ -321,7 +321,9 @@ def shard(
     Args:
         params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]),
             or a model wrapped with FSDP2's ``fully_shard`` (on a 1-D mesh, or a 2-D
-            (replicate, shard) mesh): its parameters stay where they are, one bucket each, and
+            (replicate, shard) mesh): its parameters stay where they are (no copy is kept), one
+            bucket per ``fully_shard`` unit in FSDP2's layout, its units'
+            ``MixedPrecisionPolicy`` is honoured, and
             [`write_grads()`][gradaccum.sharding.Sharded.write_grads] gives them DTensor gradients
             ([FSDP2 models](../scale.md#fsdp2-models)). ``group``, ``bucket_mb`` and ``src``
             do not apply then.
@@ -345,7 +347,9 @@ def shard(
         RuntimeError: torch.distributed is not initialised.
         TypeError: A params leaf is not a floating tensor, or an argument has the wrong kind.
         ValueError: ``bucket_mb`` is not a positive, finite number, ``src`` is not a rank
-            of the group, or ``group`` is a mesh of more than 2 dims.
+            of the group, ``group`` is a mesh of more than 2 dims, or a leaf is on a device
+            the group's backend takes no tensors of (the CPU under NCCL, e.g. FSDP2's
+            ``CPUOffloadPolicy``).
         GradAccumError: The ranks passed params of different key paths, shapes or dtypes (the
             message names the first difference).
 
