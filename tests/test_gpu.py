@@ -202,6 +202,21 @@ def test_reduce_scatter_equals_the_whole_batch_gradient(
     assert not bad(rel_err(assemble(params, shards), ref), TOL32)
 
 
+@pytest.mark.parametrize("policy", ["boundary", "every"])
+def test_reduce_scatter_in_bf16_on_the_wire(policy: str) -> None:
+    """``reduce_dtype=torch.bfloat16``: bf16 on the wire, float32 sums and shards."""
+    params = mlp_params()
+    batch = regression()
+    sharded = gradaccum.shard(params, bucket_mb=0.01)
+    sync = gradaccum.reduce_scatter(sharded, policy=policy, reduce_dtype=torch.bfloat16)
+    step = gradaccum.accumulate(gradaccum.grad(mlp_loss), 4, sync=sync)
+    with gradaccum.sync.record_collectives() as log:
+        shards = step(sharded, batch)
+    assert {c.dtype for c in log if c.kind == "reduce_scatter"} == {torch.bfloat16}
+    assert {(s.dtype, s.device) for s in shards} == {(torch.float32, DEVICE)}
+    assert not bad(rel_err(assemble(params, shards), reference(params, batch)), 2e-2)
+
+
 # -- 2. bf16 params --------------------------------------------------------------------------
 
 
@@ -250,13 +265,13 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))).squeeze(-1)
 
 
-def fsdp2_model(mp_policy: Any = None) -> nn.Module:
+def fsdp2_model(mp_policy: Any = None, **options: Any) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(DEVICE.type, (1,))
     model = Net().to(DEVICE)
-    extra = {} if mp_policy is None else {"mp_policy": mp_policy}
+    extra = options if mp_policy is None else {"mp_policy": mp_policy, **options}
     for layer in (model.fc1, model.fc2, model.head):
         fully_shard(layer, mesh=mesh, **extra)
     fully_shard(model, mesh=mesh, **extra)
@@ -324,6 +339,18 @@ def test_fsdp2_mixed_precision_policy_is_honoured(
     assert {c.dtype for c in log if c.kind == "all_gather"} == {torch.bfloat16}
     assert {c.dtype for c in log if c.kind == "reduce_scatter"} == {wire}
     assert not bad(rel_err(grads, net_reference(batch, torch.bfloat16)), 5e-2)
+
+
+@cuda_only
+def test_fsdp2_cpu_offload_is_refused_under_nccl() -> None:
+    """``CPUOffloadPolicy`` keeps the rows on the CPU: NCCL would get CPU buckets."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = fsdp2_model(offload_policy=CPUOffloadPolicy())
+    with pytest.raises(
+        ValueError, match=r"CPUOffloadPolicy keeps it there\), but the group's backend is 'nccl'"
+    ):
+        gradaccum.shard(model)
 
 
 # -- 4. loop.Step ------------------------------------------------------------------------------

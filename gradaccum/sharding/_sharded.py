@@ -155,7 +155,9 @@ class Sharded:
         Returns:
             A pytree shaped like the params given to [`shard()`][gradaccum.shard], whose leaves
             are views into freshly gathered flat buffers (they do not require grad, and later
-            optimizer steps do not change them: gather again after each step).
+            optimizer steps do not change them: gather again after each step). An FSDP2
+            model's leaves are in its units' ``param_dtype`` where their
+            ``MixedPrecisionPolicy`` sets one.
 
         Raises:
             GradAccumError: A collective failed.
