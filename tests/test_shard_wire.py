@@ -29,6 +29,7 @@ from test_distributed import _shard
 from torch import nn
 
 import gradaccum
+from gradaccum import _tree
 from gradaccum._errors import describe
 from gradaccum.sharding import _sharded
 from gradaccum.sharding._fsdp import local_chunk
@@ -354,11 +355,20 @@ SPLIT = (7, 5)
 
 
 def _two(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     batch = regression_batch(sum(SPLIT))
     mine = _shard(batch, rank, SPLIT)
     out: dict[str, Any] = {}
+    hybrid = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    net64 = _net(torch.float64)
+
+    def loss(p: Any, b: Any) -> torch.Tensor:
+        x, y = b
+        pred = torch.func.functional_call(net64, p, (x,))
+        return ((pred.squeeze(-1) - y) ** 2).mean()
+
     for policy in ("boundary", "every"):
         # float64 FSDP2 units of 2 members over 2 ranks (7 and 3 rows: uneven), wire float32.
         model = _fsdp2(_mesh(world), torch.float64)
@@ -377,6 +387,29 @@ def _two(rank: int, world: int) -> dict[str, Any]:
         step = _step(model, sharded, policy=policy)
         sharded.write_grads(step(sharded, tuple(t.float() for t in mine)))
         out[f"{policy} bf16 err"] = _worst(_model_grads(model), _reference(batch, torch.bfloat16))
+        # Hybrid over a (2 replicas, 1 shard) mesh: the replicas' all-reduce in the wire dtype.
+        sharded = gradaccum.shard(gradaccum.params_of(net64), hybrid)
+        for wire in (None, torch.float32):
+            sync = gradaccum.reduce_scatter(sharded, policy=policy, reduce_dtype=wire)
+            step = gradaccum.accumulate(gradaccum.grad(loss), N, sync=sync)
+            with gradaccum.sync.record_collectives() as log:
+                shards = step(sharded, mine)
+            got = _tree.unflatten(sharded.layout.spec, _unflat(sharded, shards))
+            out[f"{policy} {wire} hybrid err"] = _worst(got, _reference(batch))
+            out[f"{policy} {wire} hybrid wire"] = {
+                c.dtype for c in log if c.purpose.startswith("gradients")
+            }
+    return out
+
+
+def _unflat(sharded: Any, shards: Any) -> list[torch.Tensor]:
+    """The full gradients (one shard, one rank per shard group) in the params' order."""
+    lay, plan = sharded.layout, sharded.plan
+    out: list[torch.Tensor] = [torch.empty(0)] * len(lay.paths)
+    for b in plan.buckets:
+        flat = shards[b.shard][b.start : b.start + b.padded]
+        for i, off in zip(b.members, b.offsets):
+            out[i] = flat[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
     return out
 
 
@@ -391,3 +424,7 @@ def test_two_ranks_fsdp2_units_and_wire_dtypes_match_the_whole_batch() -> None:
             assert out[f"{policy} torch.float32 wire"] == {torch.float32}
             assert out[f"{policy} None scatters"] == scatters
             assert out[f"{policy} bf16 err"] < 5e-2, out
+            assert out[f"{policy} None hybrid err"] < 1e-12, out
+            assert out[f"{policy} None hybrid wire"] == {torch.float64}
+            assert 0 < out[f"{policy} torch.float32 hybrid err"] < 1e-6, out
+            assert out[f"{policy} torch.float32 hybrid wire"] == {torch.float32}

@@ -253,8 +253,8 @@ def reduce_scatter(
             the running sums and the shards stay in the accumulation dtype. ``None`` (default):
             the accumulation dtype, exact; for an FSDP2 model, the dtype of its units'
             ``MixedPrecisionPolicy`` (``reduce_dtype``, or ``param_dtype`` when that is None,
-            as FSDP2 reduces). Sharded hybrid, the replicas' all-reduce stays in the
-            accumulation dtype ([the wire dtype](../sharded.md#the-wire-dtype)).
+            as FSDP2 reduces). Sharded hybrid, the replicas' all-reduce of the shards travels
+            in it too ([the wire dtype](../sharded.md#the-wire-dtype)).
 
     Returns:
         A [`ReduceScatter`][gradaccum.sharding.ReduceScatter].

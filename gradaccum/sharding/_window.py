@@ -60,7 +60,8 @@ class ScatterWindow(Window):
         # Hybrid: the replicas' group; the shards are all-reduced over it once per window.
         rep = sp.replicate_axis
         self.rcomm = None if rep is None else self.connect(rep, sync.timeout, sync.check, what)
-        self.rworks: list[tuple[Any, str]] = []
+        # (work, what, region, sent): ``sent`` is ``region`` cast to the wire dtype, if any.
+        self.rworks: list[tuple[Any, str, torch.Tensor, torch.Tensor]] = []
         self.given_sharded = spec.params is sp
         self.regather = self.given_sharded and sync.gather == "micro_batch"
         pol = sync.policies()
@@ -306,7 +307,9 @@ class ScatterWindow(Window):
         b = self.plan.buckets[k]
         region = self.out[b.shard][b.start : b.start + b.chunk]
         what = bucket_what("replicate all_reduce", self.plan.buckets, k)
-        self.rworks.append((self.rcomm.all_reduce(region, what, "gradients"), what))
+        wire = self.wire[k]
+        sent = region if wire is None else region.to(wire)
+        self.rworks.append((self.rcomm.all_reduce(sent, what, "gradients"), what, region, sent))
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
@@ -335,9 +338,12 @@ class ScatterWindow(Window):
         if self.rcomm is not None:  # the shard group's sums, summed over the replicas
             world *= self.rcomm.world
             what = "the replicate weight all_reduce"
-            self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what))
+            self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what, tail, tail))
             while self.rworks:
-                self.rcomm.wait(*self.rworks.pop(0))
+                work, what, region, sent = self.rworks.pop(0)
+                self.rcomm.wait(work, what)
+                if sent is not region:
+                    region.copy_(sent)  # back in the accumulation dtype
         total = self.comm.read(tail.tolist(), failed, world)
         with torch.no_grad():
             _reduce.normalise(self.spec.reduction, self.out, total)  # type: ignore[arg-type]
