@@ -173,14 +173,7 @@ class Sharded:
         # of them live at once. Plain shards' inputs are views, and all go out at once.
         bound = MAX_IN_FLIGHT if self.fsdp is not None else len(plan.buckets)
         works: list[tuple[Any, str, ShardBucket, torch.Tensor, torch.Tensor]] = []
-
-        def land() -> None:
-            work, what, b, wire, _mine = works.pop(0)  # _mine lives until it is waited on
-            comm.wait(work, what)
-            full = b.from_wire(wire) if b.parts else wire  # FSDP2's units: copy-out
-            for i, off in zip(b.members, b.offsets):
-                views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
-
+        last = len(plan.buckets) - 1
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
                 dtype = self.gather_dtypes[k]
@@ -191,10 +184,12 @@ class Sharded:
                     mine = self.shards[b.shard][b.start : b.start + b.chunk]
                 what = bucket_what("all_gather", plan.buckets, k, "params bucket")
                 works.append((comm.all_gather(wire, mine, what, "params"), what, b, wire, mine))
-                if len(works) >= bound:
-                    land()
-            while works:
-                land()
+                while works and (len(works) >= bound or k == last):
+                    work, what, done, gathered, _mine = works.pop(0)  # _mine: alive until now
+                    comm.wait(work, what)
+                    full = done.from_wire(gathered) if done.parts else gathered  # copy-out
+                    for i, off in zip(done.members, done.offsets):
+                        views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
