@@ -204,6 +204,21 @@ def test_reduce_scatter_equals_the_whole_batch_gradient(
     assert not bad(rel_err(assemble(params, shards), ref), TOL32)
 
 
+@pytest.mark.parametrize("policy", ["boundary", "every"])
+def test_reduce_scatter_in_bf16_on_the_wire(policy: str) -> None:
+    """``reduce_dtype=torch.bfloat16``: bf16 on the wire, float32 sums and shards."""
+    params = mlp_params()
+    batch = regression()
+    sharded = gradaccum.shard(params, bucket_mb=0.01)
+    sync = gradaccum.reduce_scatter(sharded, policy=policy, reduce_dtype=torch.bfloat16)
+    step = gradaccum.accumulate(gradaccum.grad(mlp_loss), 4, sync=sync)
+    with gradaccum.sync.record_collectives() as log:
+        shards = step(sharded, batch)
+    assert {c.dtype for c in log if c.kind == "reduce_scatter"} == {torch.bfloat16}
+    assert {(s.dtype, s.device) for s in shards} == {(torch.float32, DEVICE)}
+    assert not bad(rel_err(assemble(params, shards), reference(params, batch)), 2e-2)
+
+
 # -- 2. bf16 params --------------------------------------------------------------------------
 
 
@@ -252,13 +267,13 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))).squeeze(-1)
 
 
-def fsdp2_model(mp_policy: Any = None) -> nn.Module:
+def fsdp2_model(mp_policy: Any = None, **options: Any) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(DEVICE.type, (1,))
     model = Net().to(DEVICE)
-    extra = {} if mp_policy is None else {"mp_policy": mp_policy}
+    extra = options if mp_policy is None else {"mp_policy": mp_policy, **options}
     for layer in (model.fc1, model.fc2, model.head):
         fully_shard(layer, mesh=mesh, **extra)
     fully_shard(model, mesh=mesh, **extra)
@@ -302,27 +317,42 @@ def test_fsdp2_model_trains_through_reduce_scatter(policy: str) -> None:
     assert not bad(rel_err(grads, net_reference(batch)), TOL32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 28 (3): FSDP2's MixedPrecisionPolicy(param_dtype=bf16) is silently ignored: "
-    "gradaccum.shard(model) gathers float32 params (Sharded.gather via the FSDP2 locals), "
-    "neither honoured nor refused",
+@pytest.mark.parametrize("policy", ["boundary", "every"])
+@pytest.mark.parametrize(
+    ("reduce_dtype", "wire"), [(None, torch.bfloat16), (torch.float32, torch.float32)]
 )
-def test_fsdp2_mixed_precision_policy_is_honoured_or_refused() -> None:
+def test_fsdp2_mixed_precision_policy_is_honoured(
+    policy: str, reduce_dtype: torch.dtype | None, wire: torch.dtype
+) -> None:
+    """FSDP2's ``MixedPrecisionPolicy``: bf16 params for the forward, the policy's wire dtype.
+
+    As FSDP2: the rows are cast to ``param_dtype`` for the all-gather, the gradients travel in
+    ``reduce_dtype`` (``param_dtype`` when None), the sums and the gradients stay float32.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     batch = regression()
-    model = fsdp2_model(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    try:
-        grads, seen = fsdp2_grads(model, "boundary", batch)
-    except (TypeError, ValueError) as e:  # refused: the message must say what to do
-        message = str(e)
-        assert "param_dtype" in message or "MixedPrecisionPolicy" in message, message
-        return
-    # Honoured: the compute saw bf16 params, and the fp32 gradients are those of bf16 compute.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    model = fsdp2_model(mp)
+    with gradaccum.sync.record_collectives() as log:
+        grads, seen = fsdp2_grads(model, policy, batch)
     assert set(seen) == {torch.bfloat16}, f"the loss saw params of {sorted(map(str, set(seen)))}"
+    assert {g.dtype for g in grads.values()} == {torch.float32}
+    assert {c.dtype for c in log if c.kind == "all_gather"} == {torch.bfloat16}
+    assert {c.dtype for c in log if c.kind == "reduce_scatter"} == {wire}
     assert not bad(rel_err(grads, net_reference(batch, torch.bfloat16)), 5e-2)
+
+
+@cuda_only
+def test_fsdp2_cpu_offload_is_refused_under_nccl() -> None:
+    """``CPUOffloadPolicy`` keeps the rows on the CPU: NCCL would get CPU buckets."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = fsdp2_model(offload_policy=CPUOffloadPolicy())
+    with pytest.raises(
+        ValueError, match=r"CPUOffloadPolicy keeps it there\), but the group's backend is 'nccl'"
+    ):
+        gradaccum.shard(model)
 
 
 # -- 4. loop.Step ------------------------------------------------------------------------------

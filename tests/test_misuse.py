@@ -1982,6 +1982,7 @@ for _id, _kw, _exc, _name in [
     ("gather-unknown", {"gather": "step"}, ValueError, "gather"),
     ("check-unknown", {"check": "sometimes"}, ValueError, "check"),
     ("timeout-negative", {"timeout": -1}, ValueError, "timeout"),
+    ("reduce_dtype-int", {"reduce_dtype": torch.int32}, TypeError, "reduce_dtype"),
 ]:
     case(
         f"reduce_scatter-{_id}",
@@ -2911,6 +2912,11 @@ case(
 # here. (Cases without an entry check the words in their ``names`` only.)
 
 MESSAGES: dict[str, str] = {
+    "reduce_scatter-reduce_dtype-int": (
+        "reduce_scatter(sharded, policy=..., gather=...): reduce_dtype must be a floating "
+        "torch.dtype, got torch.int32; pass e.g. reduce_dtype=torch.bfloat16, or None to "
+        "reduce in the accumulation dtype."
+    ),
     "accumulate-n-0": (
         "accumulate(step_fn, n=0): n must be a positive int (the number of micro-batches), "
         "got 0; pass n >= 1 (n=1 computes the whole batch in one micro-batch)."

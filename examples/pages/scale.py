@@ -73,7 +73,7 @@ for block in model.blocks:
 fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # the DTensor parameters, as usual
 
-sharded = gradaccum.shard(model)  # the model's own shards: nothing is copied or moved
+sharded = gradaccum.shard(model)  # the model's own shards, where FSDP2 keeps them
 
 
 def loss_fn(params, batch):  # params: the gathered, plain parameters by name

@@ -66,6 +66,10 @@ sync = gradaccum.reduce_scatter(sharded, policy={"decay": "every", "no_decay": "
 
 assert sync.policies()
 
+# -- the wire dtype ------------------------------------------------------------------------------
+wire = gradaccum.reduce_scatter(sharded, policy="every", reduce_dtype=torch.bfloat16)
+assert {b.dtype for b in wire.plan()} == {torch.bfloat16}  # what goes on the wire
+
 # -- loss scaling and clipping with the shards' group --------------------------------------------
 scaler = gradaccum.boundary.LossScale(init_scale=2.0**10)
 scale = scaler.init()

@@ -54,6 +54,7 @@ class ReduceScatter(Sync):
     check: Check = "fingerprint"
     timeout: float | None = None
     overlap: bool = True
+    reduce_dtype: torch.dtype | None = None
     shards = True  # the boundary returns this rank's gradient shards (Sync.shards)
 
     @property
@@ -66,6 +67,18 @@ class ReduceScatter(Sync):
         sp = self.sharded
         return sp.mesh if sp.mesh is not None else sp.group
 
+    def wire_dtype(self, b: Any, accum: torch.dtype) -> torch.dtype | None:
+        """The dtype bucket ``b`` is reduce-scattered in; ``None``: ``accum``, its sums' own.
+
+        ``reduce_dtype`` if given, else an FSDP2 unit's ``MixedPrecisionPolicy`` (its
+        ``reduce_dtype``, or its ``param_dtype`` when that is None, as FSDP2 reduces).
+        """
+        wire = self.reduce_dtype
+        fsdp = self.sharded.fsdp
+        if wire is None and fsdp is not None and b.members:
+            wire = fsdp.reduce_dtypes[b.members[0]]
+        return None if wire == accum else wire
+
     def policies(self) -> tuple[str, ...]:
         """The policy of each shard tensor (``"boundary"`` or ``"every"``), in shard order."""
         if isinstance(self.policy, str):
@@ -76,7 +89,8 @@ class ReduceScatter(Sync):
         """The reduce-scatter buckets (full, padded sizes), in the order they are reduced.
 
         A dry run: nothing is communicated. The ``every`` buckets are reduced once per
-        micro-batch, the ``boundary`` buckets once per window, in the accumulation dtype.
+        micro-batch, the ``boundary`` buckets once per window, in the dtype on the wire
+        (``Bucket.dtype``: ``reduce_dtype``, else the accumulation dtype).
         ``Bucket.tail`` is False: the weight travels in an all-reduce of its own (16 bytes, and
         8 more per metric of ``Accumulator.add``).
         Sharded hybrid over a 2-D mesh, each bucket's shard is then all-reduced across the
@@ -85,13 +99,14 @@ class ReduceScatter(Sync):
         Args:
             accum_dtype: As in [`accumulate()`][gradaccum.accumulate].
         """
-        lay, pol = with_accum(self.sharded.layout, accum_dtype), self.policies()
+        lay, pol = with_accum(self.sharded.compute, accum_dtype), self.policies()
         sp, out = self.sharded, []
         wire: tuple[tuple[str, str | None], ...] = (("reduce_scatter", sp.axis.dim),)
         if sp.replicate_axis is not None:
             wire += (("all_reduce", sp.replicate_axis.dim),)
         for b in sorted(sp.plan.buckets, key=lambda b: pol[b.shard] != "every"):
             dt = lay.accum_dtypes[b.members[0]] if b.members else b.dtype
+            dt = self.wire_dtype(b, dt) or dt
             paths = tuple(lay.paths[i] for i in b.members)
             out.append(Bucket(dt, b.device, paths, b.padded, b.padded * dt.itemsize, False, wire))
         return tuple(out)
@@ -107,7 +122,7 @@ class ReduceScatter(Sync):
                 f"argnums=0 (the position of the Sharded or of its gathered params)."
             )
         if params is self.sharded:
-            return with_accum(self.sharded.layout, accum_dtype)
+            return with_accum(self.sharded.compute, accum_dtype)
         if isinstance(params, Sharded):
             raise ValueError(
                 f"{where}: the params argument is a Sharded object other than the one the sync "
@@ -196,6 +211,7 @@ def reduce_scatter(
     check: Check = "fingerprint",
     timeout: float | None = None,
     overlap: bool = True,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ReduceScatter:
     """Reduce-scatter accumulated gradients into the shards of sharded params.
 
@@ -231,12 +247,21 @@ def reduce_scatter(
         timeout: As in [`all_reduce()`][gradaccum.all_reduce], for each collective of the sync.
         overlap: With [`grad()`][gradaccum.grad] step functions and only ``boundary`` groups,
             reduce-scatter each bucket during the last backward as soon as it is complete.
+        reduce_dtype: The dtype the gradients travel in (the wire dtype), e.g.
+            ``torch.bfloat16``: half of float32's bytes per reduce-scatter, each sum rounded to
+            it once (per micro-batch with ``"every"``, per window with ``"boundary"``), while
+            the running sums and the shards stay in the accumulation dtype. ``None`` (default):
+            the accumulation dtype, exact; for an FSDP2 model, the dtype of its units'
+            ``MixedPrecisionPolicy`` (``reduce_dtype``, or ``param_dtype`` when that is None,
+            as FSDP2 reduces). Sharded hybrid, the replicas' all-reduce of the shards travels
+            in it too ([the wire dtype](../sharded.md#the-wire-dtype)).
 
     Returns:
         A [`ReduceScatter`][gradaccum.sharding.ReduceScatter].
 
     Raises:
-        TypeError: ``sharded`` is not a Sharded, or an option has the wrong kind.
+        TypeError: ``sharded`` is not a Sharded, an option has the wrong kind, or
+            ``reduce_dtype`` is not a floating dtype.
         ValueError: A policy or gather name is unknown, or the policy dict does not name every
             parameter group.
 
@@ -299,6 +324,20 @@ def reduce_scatter(
             f"gather='window' (once per window) or 'micro_batch' (before each micro-batch)."
         )
     check_options(where, check, timeout, overlap)
+    if reduce_dtype is not None and (
+        not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{where}: reduce_dtype must be a floating torch.dtype, got "
+            f"{describe(reduce_dtype)}; pass e.g. reduce_dtype=torch.bfloat16, or None to "
+            f"reduce in the accumulation dtype."
+        )
     return ReduceScatter(
-        sharded, policy, gather, check, None if timeout is None else float(timeout), overlap
+        sharded,
+        policy,
+        gather,
+        check,
+        None if timeout is None else float(timeout),
+        overlap,
+        reduce_dtype,
     )

@@ -11,6 +11,7 @@ concatenation of its chunks of that group's buckets, so that
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,9 @@ from .._dist.comm import Comm, bucket_what
 from .._dist.mesh import Axis, axes, check_group
 from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout
-from ._fsdp import FsdpParams, dtensor_grads, fill_from_locals, fsdp_params
-from ._plan import ShardPlan, make_shard_plan
+from ._fsdp import FsdpParams, dtensor_grads, fsdp_params, local_chunk
+from ._plan import ShardBucket, ShardPlan, make_shard_plan
+from ._window import MAX_IN_FLIGHT
 
 __all__ = ["Sharded", "shard"]
 
@@ -43,7 +45,10 @@ class Sharded:
     puts in ``.grad``.
 
     Attributes:
-        shards: This rank's shard tensors, flat and padded; give them to the optimizer.
+        shards: This rank's shard tensors, flat and padded; give them to the optimizer. For an
+            FSDP2 model they are ``meta`` tensors (no storage) that only give the gradient
+            shards' shapes and dtypes: its parameters stay in the model, and the optimizer
+            steps on ``model.parameters()``.
         names: The parameter group of each shard tensor (see ``param_groups`` of
             [`shard()`][gradaccum.shard]).
         group: The process group the params are sharded over (a mesh's shard dim).
@@ -83,11 +88,23 @@ class Sharded:
         fsdp: FsdpParams | None = None,
     ) -> None:
         self.layout, self.plan, self.bucket_mb, self.fsdp = layout, plan, bucket_mb, fsdp
+        # An FSDP2 model's rows stay in its DTensors: the shards only give the gradient shards'
+        # shapes and dtypes (meta tensors, no storage), and the optimizer steps on the model.
         self.shards = tuple(
-            torch.zeros(size, dtype=dt, device=dev)
+            torch.zeros(size, dtype=dt, device="meta" if fsdp is not None else dev)
             for size, dt, dev in zip(plan.sizes, plan.dtypes, plan.devices)
         )
         """This rank's shard tensors, flat and padded: give them to the optimizer."""
+        # Per bucket, the dtype its params are gathered in (an FSDP2 unit's param_dtype).
+        self.gather_dtypes: tuple[torch.dtype, ...] = tuple(
+            _gather_dtype(b, fsdp) for b in plan.buckets
+        )
+        # The layout of the gathered params, which the gradients are taken of: the shards'
+        # own, but in each bucket's gather dtype (and accumulated in the shards' dtype).
+        dtypes = tuple(
+            self.gather_dtypes[plan.bucket_of_leaf[i]] for i in range(len(plan.bucket_of_leaf))
+        )
+        self.compute = dataclasses.replace(layout, dtypes=dtypes)
         self.names = plan.names
         """The parameter group of each shard tensor."""
         self.group, self.rank, self.world = comm.group, comm.rank, comm.world
@@ -112,7 +129,13 @@ class Sharded:
 
         Raises:
             KeyError: No shard belongs to a parameter group called ``name``.
+            GradAccumError: The shards are an FSDP2 model's (the optimizer steps on the model).
         """
+        if self.fsdp is not None:
+            raise GradAccumError(
+                f"Sharded.group_shards({name!r}): these shards are an FSDP2 model's parameters, "
+                f"which stay in the model; build the optimizer on model.parameters()."
+            )
         found = [s for s, n in zip(self.shards, self.names) if n == name]
         if not found:
             raise KeyError(
@@ -132,7 +155,9 @@ class Sharded:
         Returns:
             A pytree shaped like the params given to [`shard()`][gradaccum.shard], whose leaves
             are views into freshly gathered flat buffers (they do not require grad, and later
-            optimizer steps do not change them: gather again after each step).
+            optimizer steps do not change them: gather again after each step). An FSDP2
+            model's leaves are in its units' ``param_dtype`` where their
+            ``MixedPrecisionPolicy`` sets one.
 
         Raises:
             GradAccumError: A collective failed.
@@ -142,21 +167,29 @@ class Sharded:
     def _gather(self, where: str, timeout: float | None) -> Any:
         """[`gather`][gradaccum.sharding.Sharded.gather], with failures named after ``where``."""
         lay, plan = self.layout, self.plan
-        if self.fsdp is not None:  # the optimizer steps on the model's DTensors
-            fill_from_locals(self)
         comm = Comm(where, self.axis, timeout)
         views: list[torch.Tensor] = [torch.empty(0)] * len(lay.shapes)
-        works = []
+        # An FSDP2 model's inputs (and, packed, its outputs) are copies: at most MAX_IN_FLIGHT
+        # of them live at once. Plain shards' inputs are views, and all go out at once.
+        bound = MAX_IN_FLIGHT if self.fsdp is not None else len(plan.buckets)
+        works: list[tuple[Any, str, ShardBucket, torch.Tensor, torch.Tensor]] = []
+        last = len(plan.buckets) - 1
         with torch.no_grad():
             for k, b in enumerate(plan.buckets):
-                full = torch.empty(b.padded, dtype=b.dtype, device=b.device)
-                mine = self.shards[b.shard][b.start : b.start + b.chunk]
+                dtype = self.gather_dtypes[k]
+                wire = torch.empty(b.padded, dtype=dtype, device=b.device)
+                if self.fsdp is not None:  # the model's own rows (cast to its param_dtype)
+                    mine = local_chunk(self, k, dtype)
+                else:
+                    mine = self.shards[b.shard][b.start : b.start + b.chunk]
                 what = bucket_what("all_gather", plan.buckets, k, "params bucket")
-                works.append((comm.all_gather(full, mine, what, "params"), what))
-                for i, off in zip(b.members, b.offsets):
-                    views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
-            for work, what in works:
-                comm.wait(work, what)
+                works.append((comm.all_gather(wire, mine, what, "params"), what, b, wire, mine))
+                while works and (len(works) >= bound or k == last):
+                    work, what, done, gathered, _mine = works.pop(0)  # _mine: alive until now
+                    comm.wait(work, what)
+                    full = done.from_wire(gathered) if done.parts else gathered  # copy-out
+                    for i, off in zip(done.members, done.offsets):
+                        views[i] = full[off : off + lay.shapes[i].numel()].view(lay.shapes[i])
         return _tree.unflatten(lay.spec, views)
 
     def write_grads(self, grads: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -285,7 +318,9 @@ def shard(
     Args:
         params: A pytree of floating tensors (e.g. [`params_of(model)`][gradaccum.params_of]),
             or a model wrapped with FSDP2's ``fully_shard`` (on a 1-D mesh, or a 2-D
-            (replicate, shard) mesh): its parameters stay where they are, one bucket each, and
+            (replicate, shard) mesh): its parameters stay where they are (no copy is kept), one
+            bucket per ``fully_shard`` unit in FSDP2's layout, its units'
+            ``MixedPrecisionPolicy`` is honoured, and
             [`write_grads()`][gradaccum.sharding.Sharded.write_grads] gives them DTensor gradients
             ([FSDP2 models](../scale.md#fsdp2-models)). ``group``, ``bucket_mb`` and ``src``
             do not apply then.
@@ -309,7 +344,9 @@ def shard(
         RuntimeError: torch.distributed is not initialised.
         TypeError: A params leaf is not a floating tensor, or an argument has the wrong kind.
         ValueError: ``bucket_mb`` is not a positive, finite number, ``src`` is not a rank
-            of the group, or ``group`` is a mesh of more than 2 dims.
+            of the group, ``group`` is a mesh of more than 2 dims, or a leaf is on a device
+            the group's backend takes no tensors of (the CPU under NCCL, e.g. FSDP2's
+            ``CPUOffloadPolicy``).
         GradAccumError: The ranks passed params of different key paths, shapes or dtypes (the
             message names the first difference).
 
@@ -383,7 +420,11 @@ def shard(
             f"{where}: src must be None or a rank of the group (0 to {world - 1}), got "
             f"{describe(src)}; pass src=0 to start every rank from rank 0's params."
         )
-    plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names), fsdp is not None)
+    units = fsdp.units if fsdp is not None else None
+    plan = make_shard_plan(lay, world, int(bucket_mb * 2**20), tuple(names), units)
+    for c in (comm, rcomm):
+        if c is not None:
+            check_devices(where, c.group, plan, lay, fsdp)
     dev = plan.devices[0] if plan.devices else torch.device("cpu")
     probes = [(c, c.probe(plan.description, dev)) for c in (comm, rcomm) if c is not None]
     for c, probe in probes:
@@ -391,7 +432,6 @@ def shard(
     sharded = Sharded(lay, plan, comm, float(bucket_mb), rcomm, fsdp)
     sharded.mesh = group if is_mesh(group) else None
     if fsdp is not None:
-        fill_from_locals(sharded)
         return sharded
     leaves = _tree.flatten(params)[0]
     with torch.no_grad():
@@ -408,3 +448,57 @@ def shard(
                 full[rank * b.chunk : (rank + 1) * b.chunk]
             )
     return sharded
+
+
+def _gather_dtype(b: ShardBucket, fsdp: FsdpParams | None) -> torch.dtype:
+    """The dtype bucket ``b``'s params are gathered in: an FSDP2 unit's ``param_dtype``."""
+    if fsdp is None or not b.members:
+        return b.dtype
+    return fsdp.param_dtypes[b.members[0]] or b.dtype
+
+
+GPU_ONLY = ("nccl", "xccl")  # backends whose collectives take no CPU tensors
+
+
+def backend_of(group: Any) -> str:
+    """The group's backend as ``torch.distributed.get_backend`` names it.
+
+    For example ``"nccl"``, ``"gloo"`` or ``"cpu:gloo,cuda:nccl"`` (one per device type).
+    """
+    return str(dist.get_backend(group))
+
+
+def reaches(backend: str, device: torch.device) -> bool:
+    """Whether a group of ``backend`` takes tensors on ``device`` (unknown backends: yes)."""
+    if ":" in backend:  # per device type: "cpu:gloo,cuda:nccl"
+        per_type = dict(part.split(":", 1) for part in backend.split(","))
+        if device.type not in per_type:
+            return device.type != "cpu" or all(b not in GPU_ONLY for b in per_type.values())
+        backend = per_type[device.type]
+    return device.type != "cpu" or backend not in GPU_ONLY
+
+
+def check_devices(where: str, group: Any, plan: ShardPlan, lay: Any, fsdp: Any) -> None:
+    """Refuse a bucket on a device the group's backend cannot reduce (CPU under NCCL).
+
+    Its all-gathers and reduce-scatters would hand CPU tensors to NCCL, which fails or hangs.
+    """
+    backend = backend_of(group)
+    for b in plan.buckets:
+        if not b.members or reaches(backend, b.device):
+            continue
+        i = b.members[0]
+        offloaded = fsdp is not None and fsdp.offloaded[i]
+        why = " (FSDP2's CPUOffloadPolicy keeps it there)" if offloaded else ""
+        fix = (
+            "fully_shard the model without offload_policy=CPUOffloadPolicy() (gradaccum "
+            "gathers each parameter on the device of its shard)"
+            if offloaded
+            else "move the params to the group's device first"
+        )
+        raise ValueError(
+            f"{where}: params leaf {lay.paths[i]} is on {b.device}{why}, but the group's backend "
+            f"is {backend!r}, whose collectives take no {b.device.type} tensors; {fix}, or "
+            f"initialise the group with a backend for each device type, e.g. "
+            f"init_process_group('cpu:gloo,cuda:nccl')."
+        )

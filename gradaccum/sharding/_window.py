@@ -33,10 +33,10 @@ class ScatterWindow(Window):
         super().__init__(spec, sync)
         self.sync: Any = sync
         lay, where, sp = spec.layout, spec.where, sync.sharded
-        if _FIXED(lay) != _FIXED(sp.layout):
+        if _FIXED(lay) != _FIXED(sp.compute):
             raise ValueError(
                 f"{where}: the gradients are for params that differ from the sharded ones "
-                f"({_first_diff(lay, sp.layout)}); pass the Sharded object (or what its gather() "
+                f"({_first_diff(lay, sp.compute)}); pass the Sharded object (or what its gather() "
                 f"returned) as the params of the step function."
             )
         plan = self.plan = sp.plan
@@ -47,12 +47,21 @@ class ScatterWindow(Window):
             raise ValueError(
                 f"{where}: mixed accumulation dtypes within a shard are not supported."
             )
+        # The dtype each bucket travels in (None: its accumulation dtype, no cast).
+        self.wire: list[torch.dtype | None] = [None] * len(plan.buckets)
+        if sync.reduce_dtype is not None or sp.fsdp is not None:
+            self.wire = [sync.wire_dtype(b, a) for b, a in zip(plan.buckets, self.accum)]
+        # Whether a bucket goes on the wire as it is (no copy into rank order, no cast).
+        self.as_is = [
+            w is None and not (b.parts and b.interleaved) for b, w in zip(plan.buckets, self.wire)
+        ]
         what = "sync=reduce_scatter(...)"
         self.comm = self.connect(sp.axis, sync.timeout, sync.check, what)
         # Hybrid: the replicas' group; the shards are all-reduced over it once per window.
         rep = sp.replicate_axis
         self.rcomm = None if rep is None else self.connect(rep, sync.timeout, sync.check, what)
-        self.rworks: list[tuple[Any, str]] = []
+        # (work, what, region, sent): ``sent`` is ``region`` cast to the wire dtype, if any.
+        self.rworks: list[tuple[Any, str, torch.Tensor, torch.Tensor]] = []
         self.given_sharded = spec.params is sp
         self.regather = self.given_sharded and sync.gather == "micro_batch"
         pol = sync.policies()
@@ -63,6 +72,7 @@ class ScatterWindow(Window):
                 *(f"shard {k} policy {p!r}" for k, p in enumerate(pol)),
                 f"gather={sync.gather!r}",
                 *(f"accumulated in {d}" for d in lay.accum_dtypes),
+                *(f"bucket {k} reduced in {w}" for k, w in enumerate(self.wire) if w is not None),
                 *((f"n={spec.n} micro-steps per window",) if per_step else ()),
                 f"reduction={spec.reduction!r}",
             )
@@ -101,7 +111,8 @@ class ScatterWindow(Window):
         self._new_step()
         self.bound_remaining = [len(b.members) for b in plan.buckets]
         self.bound_launched = 0  # boundary buckets launched (a prefix of bound_order)
-        self.bound_works: list[tuple[Any, str, int]] = []  # launched, not yet waited on
+        # launched, not yet waited on: (work, what, bucket, region, target, input)
+        self.bound_works: list[tuple[Any, str, int, Any, Any, Any]] = []
 
     # What state_dict() saves of a state with no window open.
     NOTHING_SAVED: dict[str, Any] = {"steps": 0, "full": None, "out": None}
@@ -235,17 +246,22 @@ class ScatterWindow(Window):
         while len(self.in_flight) >= MAX_IN_FLIGHT:
             self._fold(self.in_flight.pop(0))
         region = self.out[b.shard][b.start : b.start + b.chunk]
-        target = region if self.steps == 0 else torch.empty_like(region)
+        wire = self.wire[k]
+        inp = buf if self.as_is[k] else b.to_wire(buf, wire or self.accum[k])
+        if self.steps == 0 and wire is None:
+            target = region
+        else:
+            target = torch.empty(b.chunk, dtype=inp.dtype, device=b.device)
         what = bucket_what("reduce_scatter", self.plan.buckets, k)
-        work = self.comm.reduce_scatter(target, buf, what, "gradients (every)")
-        self.in_flight.append((work, what, region, target, buf))
+        work = self.comm.reduce_scatter(target, inp, what, "gradients (every)")
+        self.in_flight.append((work, what, region, target, inp))
         self.launched += 1
 
     def _fold(self, item: tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        work, what, region, target, _buf = item  # _buf: the input lives until it is waited on
+        work, what, region, target, _inp = item  # _inp: the input lives until it is waited on
         self.comm.wait(work, what)
         if target is not region:
-            region.add_(target)
+            region.add_(target)  # a wire dtype's sum, added in the accumulation dtype
 
     def step(self) -> None:
         """The micro-step's backward is over: send what is left of it, fold it into the shards."""
@@ -269,14 +285,19 @@ class ScatterWindow(Window):
             buf = self.full[k]
             assert buf is not None
             region = self.out[b.shard][b.start : b.start + b.chunk]
+            wire = self.wire[k]
+            inp = buf if self.as_is[k] else b.to_wire(buf, wire or self.accum[k])
+            target = region if wire is None else torch.empty(b.chunk, dtype=wire, device=b.device)
             what = bucket_what("reduce_scatter", self.plan.buckets, k)
-            work = self.comm.reduce_scatter(region, buf, what, "gradients")
-            self.bound_works.append((work, what, k))
+            work = self.comm.reduce_scatter(target, inp, what, "gradients")
+            self.bound_works.append((work, what, k, region, target, inp))
             self.bound_launched += 1
 
     def _wait_bound(self) -> None:
-        work, what, k = self.bound_works.pop(0)
+        work, what, k, region, target, _inp = self.bound_works.pop(0)
         self.comm.wait(work, what)
+        if target is not region:
+            region.copy_(target)  # back in the accumulation dtype
         self._replicate(k)
 
     def _replicate(self, k: int) -> None:
@@ -286,7 +307,9 @@ class ScatterWindow(Window):
         b = self.plan.buckets[k]
         region = self.out[b.shard][b.start : b.start + b.chunk]
         what = bucket_what("replicate all_reduce", self.plan.buckets, k)
-        self.rworks.append((self.rcomm.all_reduce(region, what, "gradients"), what))
+        wire = self.wire[k]
+        sent = region if wire is None else region.to(wire)
+        self.rworks.append((self.rcomm.all_reduce(sent, what, "gradients"), what, region, sent))
 
     def finish(self, weight: Any, failed: bool = False) -> tuple[torch.Tensor, ...]:
         """Complete the sequence (padding to ``n`` micro-steps), reduce, return the shards."""
@@ -315,9 +338,12 @@ class ScatterWindow(Window):
         if self.rcomm is not None:  # the shard group's sums, summed over the replicas
             world *= self.rcomm.world
             what = "the replicate weight all_reduce"
-            self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what))
+            self.rworks.append((self.rcomm.all_reduce(tail, what, "weight"), what, tail, tail))
             while self.rworks:
-                self.rcomm.wait(*self.rworks.pop(0))
+                work, what, region, sent = self.rworks.pop(0)
+                self.rcomm.wait(work, what)
+                if sent is not region:
+                    region.copy_(sent)  # back in the accumulation dtype
         total = self.comm.read(self.comm.fetch(tail), failed, world)
         with torch.no_grad():
             _reduce.normalise(self.spec.reduction, self.out, total)  # type: ignore[arg-type]
