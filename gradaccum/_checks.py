@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+
 from ._errors import describe
 
 __all__ = ["CHECKS", "Check", "check_options", "check_timeout", "positive"]
@@ -43,3 +45,20 @@ def check_timeout(where: str, timeout: object) -> None:
 def positive(x: object) -> bool:
     """Whether ``x`` is a positive, finite int or float (not a bool, NaN or inf)."""
     return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
+
+
+def check_reduce_dtype(where: str, reduce_dtype: object, default: str) -> None:
+    """Refuse a ``reduce_dtype=`` that is neither ``None`` nor a floating ``torch.dtype``.
+
+    ``default`` says what ``None`` means for the caller's sync.
+    """
+    if reduce_dtype is None or (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        return
+    error = ValueError if isinstance(reduce_dtype, torch.dtype) else TypeError
+    raise error(
+        f"{where}: reduce_dtype must be a floating torch.dtype, got {describe(reduce_dtype)}; "
+        f"pass e.g. reduce_dtype=torch.bfloat16 (half the bytes of float32 on the wire), or "
+        f"None (the default: {default})."
+    )

@@ -1982,7 +1982,7 @@ for _id, _kw, _exc, _name in [
     ("gather-unknown", {"gather": "step"}, ValueError, "gather"),
     ("check-unknown", {"check": "sometimes"}, ValueError, "check"),
     ("timeout-negative", {"timeout": -1}, ValueError, "timeout"),
-    ("reduce_dtype-int", {"reduce_dtype": torch.int32}, TypeError, "reduce_dtype"),
+    ("reduce_dtype-int", {"reduce_dtype": torch.int32}, ValueError, "reduce_dtype"),
 ]:
     case(
         f"reduce_scatter-{_id}",
@@ -2914,8 +2914,9 @@ case(
 MESSAGES: dict[str, str] = {
     "reduce_scatter-reduce_dtype-int": (
         "reduce_scatter(sharded, policy=..., gather=...): reduce_dtype must be a floating "
-        "torch.dtype, got torch.int32; pass e.g. reduce_dtype=torch.bfloat16, or None to "
-        "reduce in the accumulation dtype."
+        "torch.dtype, got torch.int32; pass e.g. reduce_dtype=torch.bfloat16 (half the bytes of "
+        "float32 on the wire), or None (the default: each bucket in its accumulation dtype, "
+        "exact; for an FSDP2 model, the reduce_dtype of its MixedPrecisionPolicy)."
     ),
     "accumulate-n-0": (
         "accumulate(step_fn, n=0): n must be a positive int (the number of micro-batches), "

@@ -274,16 +274,20 @@ def test_reduce_dtype_moves_half_the_bytes_and_keeps_the_sums(world: None) -> No
         assert 0 < err < 1e-6, (policy, err)  # one float32 rounding (per micro-batch: every)
 
 
-@pytest.mark.parametrize("bad", [torch.int32, "bfloat16", torch.complex64])
-def test_reduce_dtype_must_be_a_floating_dtype(world: None, bad: Any) -> None:
+@pytest.mark.parametrize(
+    ("bad", "exc"),
+    [(torch.int32, ValueError), ("bfloat16", TypeError), (torch.complex64, ValueError)],
+)
+def test_reduce_dtype_must_be_a_floating_dtype(world: None, bad: Any, exc: type) -> None:
     sharded = gradaccum.shard({"w": torch.zeros(3)})
     got = describe(bad)
     with pytest.raises(
-        TypeError,
+        exc,
         match=re.escape(
             "reduce_scatter(sharded, policy=..., gather=...): reduce_dtype must be a floating "
-            f"torch.dtype, got {got}; pass e.g. reduce_dtype=torch.bfloat16, or None to reduce "
-            "in the accumulation dtype."
+            f"torch.dtype, got {got}; pass e.g. reduce_dtype=torch.bfloat16 (half the bytes of "
+            "float32 on the wire), or None (the default: each bucket in its accumulation dtype, "
+            "exact; for an FSDP2 model, the reduce_dtype of its MixedPrecisionPolicy)."
         ),
     ):
         gradaccum.reduce_scatter(sharded, reduce_dtype=bad)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._checks import Check, check_options
+from .._checks import Check, check_options, check_reduce_dtype
 from .._core.checkpoint_format import check_counters, check_meta, check_progress
 from .._core.protocol import Sync, Window, WindowSpec
 from .._core.state import AccumState
@@ -261,9 +261,9 @@ def reduce_scatter(
 
     Raises:
         TypeError: ``sharded`` is not a Sharded, an option has the wrong kind, or
-            ``reduce_dtype`` is not a floating dtype.
-        ValueError: A policy or gather name is unknown, or the policy dict does not name every
-            parameter group.
+            ``reduce_dtype`` is neither ``None`` nor a ``torch.dtype``.
+        ValueError: A policy or gather name is unknown, the policy dict does not name every
+            parameter group, or ``reduce_dtype`` is a dtype that is not floating.
 
     Examples:
         >>> import torch, torch.distributed as dist, gradaccum
@@ -324,14 +324,12 @@ def reduce_scatter(
             f"gather='window' (once per window) or 'micro_batch' (before each micro-batch)."
         )
     check_options(where, check, timeout, overlap)
-    if reduce_dtype is not None and (
-        not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"{where}: reduce_dtype must be a floating torch.dtype, got "
-            f"{describe(reduce_dtype)}; pass e.g. reduce_dtype=torch.bfloat16, or None to "
-            f"reduce in the accumulation dtype."
-        )
+    check_reduce_dtype(
+        where,
+        reduce_dtype,
+        "each bucket in its accumulation dtype, exact; for an FSDP2 model, the reduce_dtype of "
+        "its MixedPrecisionPolicy",
+    )
     return ReduceScatter(
         sharded,
         policy,

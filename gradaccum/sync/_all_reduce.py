@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import _metrics, _tree
-from .._checks import Check, check_options, positive
+from .._checks import Check, check_options, check_reduce_dtype, positive
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, group_device, leaf_order, make_plan
 from .._dist.comm import Probe, bucket_what, to_device
@@ -449,7 +449,7 @@ def all_reduce(
             f"pass e.g. bucket_mb=25 (DDP's default)."
         )
     check_options(where, check, timeout, overlap)
-    check_reduce_dtype(where, reduce_dtype)
+    check_reduce_dtype(where, reduce_dtype, "each bucket in its accumulation dtype, exact")
     check_group(where, group)
     axis(where, group)  # a mesh of more than one dim is refused here, not at the first window
     return AllReduce(
@@ -459,18 +459,4 @@ def all_reduce(
         None if timeout is None else float(timeout),
         overlap,
         reduce_dtype,
-    )
-
-
-def check_reduce_dtype(where: str, reduce_dtype: object) -> None:
-    """Refuse a ``reduce_dtype=`` that is neither ``None`` nor a floating ``torch.dtype``."""
-    if reduce_dtype is None or (
-        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
-    ):
-        return
-    error = ValueError if isinstance(reduce_dtype, torch.dtype) else TypeError
-    raise error(
-        f"{where}: reduce_dtype must be a floating torch.dtype, got {describe(reduce_dtype)}; "
-        f"pass e.g. reduce_dtype=torch.bfloat16 (half the bytes of float32 on the wire), or "
-        f"None (the default: each bucket in its accumulation dtype, exact)."
     )
