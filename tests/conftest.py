@@ -32,6 +32,19 @@ def world_of_one() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def world() -> Iterator[None]:
+    """A gloo process group of one rank on a ``HashStore`` (no network), destroyed afterwards.
+
+    No process is started, so the tests that use it run in the fast tier.
+    """
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under CI, a test skipped for a missing optional package fails the run.
 

@@ -22,7 +22,7 @@ One process, a gloo group of one rank on a ``HashStore``: the fast tier.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -63,15 +63,6 @@ class Seen:
 
     def purposes(self) -> set[str]:
         return {p for _, p, _ in self.calls}
-
-
-@pytest.fixture
-def world() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -16,12 +16,10 @@ check the result against plain PyTorch in float64.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gradaccum
 from gradaccum._core import engine
@@ -71,16 +69,6 @@ class Calls:
                 return _f(run, *args)
 
             monkeypatch.setattr(engine.WindowRun, name, counted)
-
-
-@pytest.fixture
-def world() -> Iterator[None]:
-    """A gloo process group of one rank (a HashStore: no network), destroyed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def reference(params: dict[str, torch.Tensor], accum: torch.dtype) -> dict[str, torch.Tensor]:

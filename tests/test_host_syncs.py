@@ -123,16 +123,6 @@ class HostReads:
 
 
 @pytest.fixture
-def world() -> Iterator[None]:
-    """A gloo process group of one rank (a HashStore: no network), destroyed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def counter() -> Iterator[HostReads]:
     with HostReads() as reads:
         yield reads

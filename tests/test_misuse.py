@@ -31,10 +31,9 @@ import contextlib
 import hashlib
 import io
 import math
-import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -3844,17 +3843,6 @@ FIX = re.compile(
     re.IGNORECASE | re.DOTALL,
 )
 CALL_SHAPE = re.compile(r"\A[A-Za-z_][\w.]*\(")
-
-
-@pytest.fixture
-def world() -> Iterator[None]:
-    """A gloo process group of one rank (a HashStore: no network), destroyed afterwards."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def message(err: BaseException) -> str:

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist import run, values
 from models import regression_batch
 from test_distributed import _shard
@@ -37,16 +35,6 @@ from gradaccum.sharding._plan import ShardBucket, make_shard_plan
 
 N = 4
 ROWS = 12
-
-
-@pytest.fixture
-def world() -> Iterator[None]:
-    """A gloo process group of one rank (this process), destroyed after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _net(dtype: torch.dtype = torch.float32) -> nn.Sequential:
