@@ -974,7 +974,7 @@ def test_no_collective_outlives_the_error(
     (their last reference must not be a gloo worker thread's). The drain uses no
     ``abort()`` or ``shutdown()`` of the group (they do nothing on gloo), so it is the same on the
     torch versions that lack them (2.4 to 2.6): simulated by deleting them."""
-    from gradaccum._dist import comm as _comm
+    from gradaccum._dist import inflight
 
     if not torch_has_abort:
         for cls in (dist.ProcessGroup, torch._C._distributed_c10d.Backend):
@@ -985,14 +985,14 @@ def test_no_collective_outlives_the_error(
     cpu = torch.zeros(1)
     bucket1 = comm.started(_Abandoned(0.3, log, "bucket 1"), cpu)
     bucket2 = comm.started(_Abandoned(0.4, log, "bucket 2"), cpu)
-    assert _comm.in_flight(comm.group) == [bucket1, bucket2]
+    assert inflight.in_flight(comm.group) == [bucket1, bucket2]
     with pytest.raises(gradaccum.GradAccumError) as info:
         comm.wait(bucket1, "bucket 1")
     log.append("raised")
     assert log == ["bucket 1 ended", "bucket 2 ended", "raised"]
-    assert _comm.in_flight(comm.group) == []
+    assert inflight.in_flight(comm.group) == []
     # Still referenced until the group goes: the last reference is never a gloo worker's.
-    assert _comm._ABANDONED[comm.group] == [bucket1, bucket2]
+    assert inflight._ABANDONED[comm.group] == [bucket1, bucket2]
     assert str(info.value) == (
         "my_sync: bucket 1 failed on rank 0: Operation timed out!. A peer process died, failed "
         "before the boundary, or did not reach it in time (timeout: 0.05 s); every rank must "

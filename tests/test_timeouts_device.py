@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 import gradaccum
 from gradaccum._dist import comm as comm_mod
+from gradaccum._dist import inflight
 from gradaccum._dist.broken import is_broken
 
 N = 4
@@ -102,18 +103,18 @@ def dev(monkeypatch: pytest.MonkeyPatch) -> Iterator[Device]:
 
         monkeypatch.setattr(dist.ProcessGroup, name, started)
 
-    monkeypatch.setattr(comm_mod, "on_device", lambda tensor: True)
-    monkeypatch.setattr(comm_mod, "new_event", d.event)
+    monkeypatch.setattr(inflight, "on_device", lambda tensor: True)
+    monkeypatch.setattr(inflight, "new_event", d.event)
     monkeypatch.setattr(comm_mod, "all_reduce", fake_all_reduce)
-    monkeypatch.setattr(comm_mod, "_clock", lambda: d.clock)
-    monkeypatch.setattr(comm_mod, "_sleep", d.sleep)
+    monkeypatch.setattr(inflight, "_clock", lambda: d.clock)
+    monkeypatch.setattr(inflight, "_sleep", d.sleep)
     wrap("_reduce_scatter_base")
     wrap("_allgather_base")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield d
     finally:
-        comm_mod._QUEUED.clear()
+        inflight._QUEUED.clear()
         dist.destroy_process_group()
 
 
@@ -126,7 +127,7 @@ def aborted(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         groups.append(group)
         return True
 
-    monkeypatch.setattr(comm_mod, "abort_device", abort)
+    monkeypatch.setattr(inflight, "abort_device", abort)
     return groups
 
 
@@ -197,7 +198,7 @@ def test_no_host_blocking_wait_and_no_pause_in_a_healthy_run(dev: Device, kind: 
     assert dev.pauses == 0
     reads = 3 * 2 + 1  # per window the fingerprint and the tail; shard()'s own fingerprint
     assert dev.queries <= reads, f"{dev.queries} event queries for {reads} host reads"
-    assert comm_mod.queued(dist.group.WORLD) == []
+    assert inflight.queued(dist.group.WORLD) == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -254,7 +255,7 @@ def test_a_stuck_collective_raises_at_the_host_read(
     assert T < waited <= T + 2 * PAUSE, f"raised after {waited:g} fake s, timeout {T:g} s"
     assert aborted == [dist.group.WORLD]
     assert is_broken(None)
-    assert comm_mod.queued(dist.group.WORLD) == []
+    assert inflight.queued(dist.group.WORLD) == []
 
 
 def test_the_clock_starts_when_the_inputs_are_ready(dev: Device, aborted: list[Any]) -> None:
@@ -274,7 +275,7 @@ def test_without_an_abort_the_message_says_to_exit(
     dev: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the communicator cannot be aborted (a torch without it), the fix is ``os._exit``."""
-    monkeypatch.setattr(comm_mod, "abort_device", lambda group: False)
+    monkeypatch.setattr(inflight, "abort_device", lambda group: False)
     step, params = make_step("all_reduce", "never")
     _, batch = mlp()
     step(params, batch)
@@ -295,12 +296,12 @@ def test_the_queue_keeps_only_what_is_not_done(dev: Device) -> None:
     _, batch = mlp()
     for _ in range(5):
         step(params, batch)
-        assert len(comm_mod._QUEUED.get(dist.group.WORLD, [])) <= 3 * N + 4
+        assert len(inflight._QUEUED.get(dist.group.WORLD, [])) <= 3 * N + 4
 
 
 def test_abort_device_without_a_cuda_backend_is_false(dev: Device) -> None:
     """On a gloo-only group there is nothing to abort."""
-    assert comm_mod.abort_device(dist.group.WORLD) is False
+    assert inflight.abort_device(dist.group.WORLD) is False
 
 
 def test_the_cpu_path_keeps_the_timeout_on_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,7 +311,7 @@ def test_the_cpu_path_keeps_the_timeout_on_the_wait(monkeypatch: pytest.MonkeyPa
         c = gradaccum.sync.Comm("test", None, timeout=5.0)
         t = torch.ones(3)
         work = c.all_reduce(t, "a bucket", "gradients")
-        assert type(work) is not comm_mod.Queued
+        assert type(work) is not inflight.Queued
         seen: list[Any] = []
 
         class Spy:
@@ -321,7 +322,7 @@ def test_the_cpu_path_keeps_the_timeout_on_the_wait(monkeypatch: pytest.MonkeyPa
         c.wait(Spy(), "a bucket")
         assert [s.total_seconds() for s in seen] == [5.0]
         assert c.fetch(t) == [1.0, 1.0, 1.0]
-        assert not comm_mod._QUEUED
+        assert not inflight._QUEUED
     finally:
         dist.destroy_process_group()
 
@@ -385,9 +386,9 @@ def test_abort_device_is_bounded(
     import time
 
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
-    monkeypatch.setattr(comm_mod, "ABORT_S", 0.2)
+    monkeypatch.setattr(inflight, "ABORT_S", 0.2)
     t = time.monotonic()
-    assert comm_mod.abort_device(FakeNCCLGroup(abort)) is aborted
+    assert inflight.abort_device(FakeNCCLGroup(abort)) is aborted
     assert time.monotonic() - t < 1.0
 
 

@@ -36,8 +36,6 @@ import contextlib
 import datetime
 import hashlib
 import re
-import threading
-import time
 import weakref
 from collections.abc import Iterator
 from itertools import zip_longest
@@ -49,6 +47,7 @@ from torch._C import _distributed_c10d as c10d
 
 from .. import _metrics
 from .._errors import GradAccumError, misaligned
+from . import inflight
 from .broken import mark_broken
 from .buckets import TAIL
 from .mesh import Axis, axis
@@ -57,10 +56,7 @@ from .record import record
 __all__ = [
     "Comm",
     "Probe",
-    "Queued",
     "bucket_what",
-    "in_flight",
-    "queued",
     "settle",
     "to_device",
 ]
@@ -82,128 +78,6 @@ def all_reduce(
     opts.reduceOp = op
     pg: Any = dist.group.WORLD if group is None else group
     return pg.allreduce([tensor], opts)
-
-
-# The collectives on CPU tensors that a Comm started and nobody has waited for yet, per process
-# group (weakly keyed: the entry goes with the group). Comm.drain() waits for them after a failure.
-_IN_FLIGHT: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-# The collectives that Comm.drain() waited out, kept until their group is freed (or the interpreter
-# clears this module), so that the last reference to each is dropped here, holding the GIL. Were
-# it the worker thread's, it would free the collective's tensors itself, and a tensor whose Python
-# object is gone takes the GIL to free it: during finalization CPython stops such a thread inside
-# the C++ destructor, and the process aborts ("terminate called without an active exception").
-_ABANDONED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def in_flight(group: Any) -> list[Any]:
-    """The CPU collectives started on ``group`` through a ``Comm`` and not yet waited for."""
-    return [w for w in _IN_FLIGHT.get(group, ()) if not w.is_completed()]
-
-
-def on_device(tensor: torch.Tensor) -> bool:
-    """Whether a collective on ``tensor`` runs in a device queue whose timeout the host keeps.
-
-    CUDA: there ``Work.wait`` only makes the current stream wait, and the deadline is kept by
-    the host reads ([`Comm.fetch()`][gradaccum.sync.Comm.fetch]). (Tests replace it, with fake
-    works and events, to drive that path on the CPU.)
-    """
-    return tensor.device.type == "cuda"
-
-
-def new_event() -> Any:
-    """An event recorded now on the current CUDA stream (tests replace it with a fake)."""
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return event
-
-
-# How the host polls for a device read with collectives queued: the first pause, the longest.
-POLL_FIRST, POLL_MAX = 5e-5, 5e-4
-_clock, _sleep = time.monotonic, time.sleep  # tests replace them (a fake clock, counted pauses)
-ABORT_S = 10.0  # the longest wait for a NCCL communicator's abort
-
-
-class Queued:
-    """A collective started on a device by a ``Comm`` with a ``timeout``: kept until it completes.
-
-    ``ready`` is an event recorded on the current stream as it started: it completes when the
-    collective's inputs are ready, so the collective's own time (waiting for the peers) is
-    counted from then (``since``: when the host first saw it ready at the head of its group's
-    queue). The collective's methods (``wait``, ``is_completed``, ...) are its ``work``'s.
-    """
-
-    __slots__ = ("comm", "ready", "since", "what", "work")
-
-    def __init__(self, work: Any, what: str, ready: Any, comm: Comm) -> None:
-        self.work, self.what, self.ready, self.comm = work, what, ready, comm
-        self.since: float | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.work, name)
-
-
-# The device collectives a Comm with a timeout started, per process group, in the order they
-# were started (which is the order a NCCL group's queue runs them), until they complete. A plain
-# dict: each entry's Comm holds its group anyway, and a group leaves with its last entry (empty
-# when no such collective was started: the reads' one test on the CPU path).
-_QUEUED: dict[Any, list[Queued]] = {}
-
-
-def queued(group: Any) -> list[Queued]:
-    """The device collectives started on ``group`` through a ``Comm`` with a timeout, not done."""
-    return [q for q in _QUEUED.get(group, ()) if not q.work.is_completed()]
-
-
-def overdue(now: float) -> Queued | None:
-    """A queued collective whose inputs have been ready for its ``Comm``'s timeout, or ``None``.
-
-    Only the head of each group's queue can be stuck (a group's collectives run in order). It is
-    timed from the first call that saw its inputs ready; the completed ones are dropped.
-    """
-    for group, queue in list(_QUEUED.items()):
-        while queue and queue[0].work.is_completed():
-            queue.pop(0)
-        if not queue:
-            del _QUEUED[group]
-            continue
-        head = queue[0]
-        if head.since is None:
-            if head.ready.query():
-                head.since = now
-        elif now - head.since > (head.comm.timeout or 0.0):  # queued only with a timeout
-            return head
-    return None
-
-
-def abort_device(group: Any) -> bool:
-    """Abort ``group``'s NCCL communicator, so that its stuck collectives end; whether it could.
-
-    The backend's own ``abort()`` (torch's ``_abort_process_group`` would also remove the group
-    from torch.distributed's tables, and, for the default group, every group). ``False`` where the
-    group is not NCCL's, or the abort is missing (no ``ProcessGroupNCCL.abort``), failed, or
-    did not return within ``ABORT_S`` seconds.
-    """
-    if "nccl" not in str(dist.get_backend(group)):
-        return False
-    try:
-        backend = group._get_backend(torch.device("cuda"))
-    except (RuntimeError, AttributeError):
-        return False
-    abort = getattr(backend, "abort", None)
-    if abort is None:
-        return False
-    done: list[bool] = []
-
-    def run() -> None:
-        with contextlib.suppress(RuntimeError):
-            abort()
-            done.append(True)
-
-    # Bounded: ncclCommAbort has been seen to hang; the error is then raised all the same.
-    thread = threading.Thread(target=run, name="gradaccum-abort", daemon=True)
-    thread.start()
-    thread.join(ABORT_S)
-    return bool(done)
 
 
 FINGERPRINT = "the fingerprint exchange with the other ranks"
@@ -368,16 +242,10 @@ class Comm:
         that marks its inputs ready), which ``wait`` and the bounded reads know. On the CPU it
         is kept for [`drain()`][gradaccum.sync.Comm.drain].
         """
-        if self.timeout is not None and on_device(tensor):
-            queue = _QUEUED.setdefault(self.group, [])
-            while queue and queue[0].work.is_completed():  # ended: nothing left to time
-                queue.pop(0)
-            work = Queued(work, what, new_event(), self)
-            queue.append(work)
+        if self.timeout is not None and inflight.on_device(tensor):
+            work = inflight.queue(self.group, work, what, self)
         elif tensor.device.type == "cpu":  # a gloo worker thread runs it
-            works = _IN_FLIGHT.setdefault(self.group, [])
-            works[:] = [w for w in works if not w.is_completed()]  # waited for elsewhere
-            works.append(work)
+            inflight.keep(self.group, work)
         return work
 
     def wait(self, work: Any, what: str) -> None:
@@ -386,7 +254,7 @@ class Comm:
         On a device (a ``Queued`` collective) only the current stream waits: the host does
         not, and the timeout is kept where the host reads ([`fetch()`][gradaccum.sync.Comm.fetch]).
         """
-        if type(work) is Queued:  # the stream waits for it, the host goes on
+        if type(work) is inflight.Queued:  # the stream waits for it, the host goes on
             try:
                 work.work.wait()
             except RuntimeError as err:  # NCCL found it failed: abort, as for a timeout
@@ -399,9 +267,7 @@ class Comm:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as err:
             raise self.broken(what, err) from err
-        works = _IN_FLIGHT.get(self.group)
-        if works:
-            works[:] = [w for w in works if w is not work]
+        inflight.forget(self.group, work)
 
     def fetch(self, tensor: torch.Tensor, done: Any = None) -> list[Any]:
         """``tensor.tolist()``: a host read, waiting for the collectives at most their timeout.
@@ -414,8 +280,8 @@ class Comm:
         ([`until()`][gradaccum.sync.Comm.until]). Otherwise (the CPU, no timeout) it is
         ``tensor.tolist()``, which waits as long as it takes.
         """
-        if done is None and _QUEUED and on_device(tensor):
-            done = new_event()
+        if done is None and inflight.any_queued() and inflight.on_device(tensor):
+            done = inflight.new_event()
         if done is not None:
             self.until(done)
         return tensor.tolist()
@@ -431,20 +297,20 @@ class Comm:
         """
         if done.query():
             return
-        pause = POLL_FIRST
+        pause = inflight.POLL_FIRST
         while True:
-            late = overdue(_clock())
+            late = inflight.overdue(inflight.clock())
             if late is not None:
                 raise late.comm.timed_out(late)
-            if not _QUEUED:  # nothing of ours left to time: a plain wait
+            if not inflight.any_queued():  # nothing of ours left to time: a plain wait
                 done.synchronize()
                 return
-            _sleep(pause)
+            inflight.pause(pause)
             if done.query():
                 return
-            pause = min(2 * pause, POLL_MAX)
+            pause = min(2 * pause, inflight.POLL_MAX)
 
-    def timed_out(self, late: Queued) -> GradAccumError:
+    def timed_out(self, late: inflight.Queued) -> GradAccumError:
         """The error for ``late``, a device collective of this ``Comm`` stuck past its timeout."""
         return self.broken(
             late.what,
@@ -470,11 +336,11 @@ class Comm:
         so it is the same on every supported torch. Collectives on accelerators are not kept
         (NCCL's own watchdog handles them).
         """
-        works = _IN_FLIGHT.pop(self.group, [])
+        works = inflight.take(self.group)
         for work in works:
             with contextlib.suppress(RuntimeError):  # its failure is this error's, or a sequel
                 work.wait()  # no bound needed: the collective's own timeout ends it
-        _ABANDONED.setdefault(self.group, []).extend(works)  # see _ABANDONED: not freed here
+        inflight.abandon(self.group, works)  # kept, not freed here: see inflight.abandon
 
     @contextlib.contextmanager
     def failing(self, what: str) -> Iterator[None]:
@@ -495,8 +361,8 @@ class Comm:
         mark_broken(self.group)
         aborted = False
         if device:
-            _QUEUED.pop(self.group, None)
-            aborted = abort_device(self.group)
+            inflight.drop_queue(self.group)
+            aborted = inflight.abort_device(self.group)
         self.drain()
         limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
         cause = str(err).splitlines()[0] if str(err) else type(err).__name__
