@@ -71,7 +71,9 @@ def clip_by_global_norm(
     Raises:
         TypeError: A leaf is not a floating tensor, ``group`` is neither ``None`` nor a
             process group, or ``donate`` is not a bool.
-        ValueError: ``max_norm`` is not a positive number.
+        ValueError: ``max_norm`` is not a positive number; or, with ``donate=True``, two
+            leaves share memory (the same tensor twice, overlapping views) or a leaf overlaps
+            itself: in place, it would be scaled twice.
 
     Examples:
         >>> import torch, gradaccum
@@ -96,6 +98,8 @@ def clip_by_global_norm(
     check_group(where, group, _FIX)
     _check_donate(where, donate)
     leaves, spec = _leaves(where, grads)
+    if donate:
+        _check_donated(where, grads)
     wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     if not leaves:
         return grads, torch.zeros((), dtype=wide)
@@ -141,6 +145,39 @@ def _check_donate(where: str, donate: object) -> None:
             f"{where}: donate must be a bool, got {describe(donate)}; pass donate=True to "
             f"overwrite the gradients you pass (no new tree), or leave the default (False)."
         )
+
+
+def _check_donated(where: str, grads: Any) -> None:
+    """With ``donate=True``: no two leaves (and no leaf with itself) may share memory.
+
+    An in-place scale of memory that two leaves share would scale it twice, silently (the same
+    tensor at two places of the tree, overlapping views, an ``expand``-ed tensor). The flat
+    buckets gradaccum returns are views that do not overlap, so they pass.
+    """
+    paths, leaves, _ = _tree.flatten_with_paths(grads)
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for path, g in zip(paths, leaves):
+        if g.numel() == 0:
+            continue
+        if torch._debug_has_internal_overlap(g) == 1:
+            raise ValueError(
+                f"{where}: with donate=True, gradient leaf {path} has elements that share memory "
+                f"(an expand()-ed tensor, say): scaling it in place would scale them more than "
+                f"once. Pass a tensor of its own (.clone()), or donate=False."
+            )
+        size = g.element_size()
+        start = g.data_ptr()
+        extent = sum((n - 1) * st for n, st in zip(g.shape, g.stride()) if n > 1) * size + size
+        spans.setdefault(g.untyped_storage().data_ptr(), []).append((start, start + extent, path))
+    for items in spans.values():
+        items.sort()
+        for (_, end, first), (start, _, second) in zip(items, items[1:]):
+            if start < end:
+                raise ValueError(
+                    f"{where}: with donate=True, gradient leaves {first} and {second} share "
+                    f"memory (the same tensor twice, or overlapping views): scaling them in place "
+                    f"would scale it twice. Pass distinct tensors, or donate=False."
+                )
 
 
 class LossScaleState(NamedTuple):
@@ -302,7 +339,8 @@ class LossScale:
         Raises:
             TypeError: A leaf is not a floating tensor, ``state`` is not a LossScaleState,
                 ``group`` is neither ``None`` nor a process group, or ``donate`` is not a bool.
-            ValueError: ``state.scale`` is not a finite positive number.
+            ValueError: ``state.scale`` is not a finite positive number; or, with
+                ``donate=True``, two leaves share memory (see ``clip_by_global_norm``).
         """
         where = "LossScale.unscale(grads, state)"
         if not isinstance(state, LossScaleState):
@@ -319,6 +357,8 @@ class LossScale:
         check_group(where, group, _FIX)
         _check_donate(where, donate)
         leaves, spec = _leaves(where, grads)
+        if donate:
+            _check_donated(where, grads)
         shard = axes(where, group)[0] if group is not None else None
         with torch.no_grad():
             inv = 1.0 / state.scale

@@ -196,6 +196,69 @@ def test_donate_must_be_a_bool(call: Any, where: str) -> None:
         call()
 
 
+def _shared() -> dict[str, torch.Tensor]:
+    t = torch.full((3,), 4.0)
+    return {"a": t, "b": t}
+
+
+def _overlapping() -> dict[str, torch.Tensor]:
+    flat = torch.full((5,), 4.0)
+    return {"a": flat[:3], "b": flat[2:]}
+
+
+def _expanded() -> dict[str, torch.Tensor]:
+    return {"a": torch.full((2,), 4.0).expand(3, 2)}
+
+
+SHARED = (
+    "{where}: with donate=True, gradient leaves ['a'] and ['b'] share memory (the same tensor "
+    "twice, or overlapping views): scaling them in place would scale it twice. Pass distinct "
+    "tensors, or donate=False."
+)
+EXPANDED = (
+    "{where}: with donate=True, gradient leaf ['a'] has elements that share memory (an "
+    "expand()-ed tensor, say): scaling it in place would scale them more than once. Pass a "
+    "tensor of its own (.clone()), or donate=False."
+)
+CALLS = {
+    "clip": (
+        lambda g: boundary.clip_by_global_norm(g, 1.0, donate=True),
+        "clip_by_global_norm(grads, max_norm)",
+    ),
+    "unscale": (
+        lambda g: boundary.LossScale().unscale(g, boundary.LossScale().init(), donate=True),
+        "LossScale.unscale(grads, state)",
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [(_shared, SHARED), (_overlapping, SHARED), (_expanded, EXPANDED)],
+    ids=["the same tensor twice", "overlapping views", "expanded"],
+)
+def test_donate_refuses_leaves_that_share_memory(call: str, make: Any, message: str) -> None:
+    """Scaled in place, memory two leaves share would be scaled twice: refused, nothing written."""
+    fn, where = CALLS[call]
+    grads = make()
+    before = [g.clone() for g in grads.values()]
+    with pytest.raises(ValueError, match=rf"\A{re.escape(message.format(where=where))}\Z"):
+        fn(grads)
+    assert all(torch.equal(g, b) for g, b in zip(grads.values(), before))
+
+
+def test_donate_takes_adjacent_views_of_one_buffer() -> None:
+    """Views that touch but do not overlap (gradaccum's flat buckets) are clipped in place."""
+    flat = torch.full((6,), 4.0)
+    grads = {"a": flat[:2], "b": flat[2:].view(2, 2)}
+    want, norm = boundary.clip_by_global_norm({k: v.clone() for k, v in grads.items()}, 1.0)
+    out, got = boundary.clip_by_global_norm(grads, 1.0, donate=True)
+    assert torch.equal(got, norm)
+    assert all(torch.equal(out[k], want[k]) for k in grads)
+    assert out["a"].data_ptr() == flat.data_ptr()
+
+
 # -- devices: an empty tree with group= ---------------------------------------------------------
 
 
