@@ -25,7 +25,8 @@ script goes on):
    sync=all_reduce())`` + ``write_grads``; as controls, the hand loop with one host read of the
    window's loss before the optimizer step (``hand+read``: what one host sync per window costs
    any loop), and gradaccum with ``sync=None`` (no collective, no host read) and with
-   ``all_reduce(overlap=False)`` (no hook in the last backward); all interleaved round-robin,
+   ``all_reduce(overlap=False)`` (no hook in the last backward); and ``loop.Step`` over
+   ``all_reduce()`` (``add`` per micro-batch, ``apply``); all interleaved round-robin,
    median ms/step; the peak memory of each step; the compute floor (n x one micro-batch's
    forward and backward).
 4. ``timeout``: children with ``timeout=1`` and a simulated stuck peer (every pooled stream,
@@ -558,6 +559,25 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
 
         return step
 
+    def loop_step() -> Callable[[int], None]:
+        """``gradaccum.loop.Step`` over ``all_reduce()``: ``add`` per micro-batch, ``apply``."""
+        model, opt = make()
+
+        def loss(m: nn.Module, batch: Any) -> torch.Tensor:
+            x, y = batch
+            with amp:
+                logits = m(x)
+            return ce(logits, y)
+
+        step = gradaccum.loop.Step(model, loss, opt, sync=gradaccum.all_reduce())
+
+        def run(n: int) -> None:
+            for batch in chunks[n]:
+                step.add(batch)
+            step.apply()
+
+        return run
+
     n_params = sum(p.numel() for p in hand_model.parameters())
 
     def hand(n: int) -> None:
@@ -606,6 +626,7 @@ def lm(small: bool, steps: int) -> dict[str, Any]:
         "gradaccum": contender(gradaccum.all_reduce()),
         "gradaccum-local": contender(None),
         "gradaccum-no-overlap": contender(gradaccum.all_reduce(overlap=False)),
+        "loop.Step": loop_step(),
     }
     times: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
     peak: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ns} for c in contenders}
