@@ -376,8 +376,10 @@ class Accumulator:
         return micro_weight("Accumulator.add(state, grads)", self.reduction, size, count)
 
     def _check_add(self, state: AccumState[T], metrics: Any) -> None:
-        """What ``add`` checks of ``state`` and ``metrics``, before the backward that ``_counted``
-        then counts (nothing is added yet)."""
+        """What ``add`` checks of ``state`` and ``metrics`` (nothing is added yet).
+
+        Called before the backward that ``_counted`` then counts.
+        """
         where = "Accumulator.add(state, grads)"
         check_state(where, state)
         check_live(where, state)

@@ -6,14 +6,23 @@ the window, ``backward()``, one ``optimizer.step()``, ``scheduler.step()``,
 plain loop decides from ``.grad`` travels in the boundary collective that already carries the
 window's weight, as metrics (no collective of its own, no host sync per micro-batch):
 
-- ``used``: per trainable parameter, the micro-batches whose loss reached it (a 1-D metric).
-  A parameter with a count of 0 over every rank keeps ``.grad`` ``None``, as in the plain loop
+- ``used``: per trainable parameter, a count that is 0 exactly when no micro-batch reached it (a
+  1-D metric): on the fast path 1 per rank whose window reached it (a hook per parameter, removed
+  once a backward reaches it), on the generic path the micro-batches that reached it. A
+  parameter with a count of 0 over every rank keeps ``.grad`` ``None``, as in the plain loop
   (and under DDP, for a parameter unused on every rank): weight decay and momentum leave it,
   and the optimizer grows no state for it.
 - ``saves``: ``[1, c, c**2]`` for the ``c`` calls of ``loop.save`` on the rank since the last
   boundary. Summed over the ranks, ``ranks * sum(c**2) == sum(c)**2`` exactly when every rank
   saved as often, which every rank reads from the same totals, so all of them raise together.
 - ``loss``, ``micro_batches``: the window's statistics (``StepStats``).
+
+The fast path (every sum in its parameter's dtype): ``add`` runs ``backward()`` into the window
+that ``Accumulator._live`` opened at the window's first micro-batch. That backward's gradients
+become the sums (``Window.adopt``, from a hook as each is produced: into the flat buckets under
+``all_reduce()``), the parameters' ``.grad`` point at them, and the later backwards add in place.
+``apply()`` closes that same window (``Accumulator._close(..., live)``). Other sums (another
+dtype) take the generic path: ``torch.autograd.grad``, then ``Accumulator.add``.
 """
 
 from __future__ import annotations
@@ -130,8 +139,9 @@ class Step:
     """One training step of a ``torch.nn.Module``, accumulated over a window of micro-batches.
 
     [`add(batch)`][gradaccum.loop.Step.add] runs one micro-batch: ``loss(model, batch)``, its
-    backward (into the window's running sums of an [`Accumulator`][gradaccum.Accumulator]), and
-    the loss into the window's statistics. [`apply()`][gradaccum.loop.Step.apply] closes the
+    backward (into the window's running sums of an [`Accumulator`][gradaccum.Accumulator],
+    through the parameters' ``.grad`` when the sums have their dtype), and the loss into the
+    window's statistics. [`apply()`][gradaccum.loop.Step.apply] closes the
     window: the boundary (one collective under a sync, which also carries the statistics),
     clipping, ``.grad``, ``optimizer.step()``, exactly one ``scheduler.step()``, and the
     gradients set to ``None``.
@@ -467,7 +477,10 @@ class Step:
 
         On an error (in the loss, say) under a sync, this rank joins the window's boundary
         flagged as failed, so that every other rank raises instead of waiting, and the error
-        is re-raised. Without a sync the micro-batch is left out and the window goes on.
+        is re-raised. Without a sync the micro-batch is left out and the window goes on; but
+        on the fast path a backward that raised part-way (a tensor hook's error) has added into
+        some of the window's sums already, so the window's micro-batches so far are dropped
+        with it (its index stays).
 
         Raises:
             TypeError: The loss function returned the wrong kind (see ``loss`` of
@@ -522,8 +535,8 @@ class Step:
             if self.sync is not None:
                 self._abort()
             elif began:  # the backward raised part-way: the sums it was adding into are partial
-                window, self.state = self.state.window, self.acc._abort(self.state, self._win)
-                self.state = self.state._replace(window=window)
+                index = self.state.window
+                self.state = self.acc._abort(self.state, self._win)._replace(window=index)
                 self._drop()
             raise
 
