@@ -1115,3 +1115,24 @@ def test_an_error_inside_the_backward_without_sync_drops_the_window() -> None:
     mse(ref, (x[4:], y[4:])).backward()
     ref_opt.step()
     assert max_param_diff(model, ref) < TIGHT
+
+
+def test_a_failed_window_leaves_no_sums_in_grad(world_of_one) -> None:
+    """Under a sync, an error joins the boundary flagged as failed: the window's running sums,
+    which ``.grad`` pointed at, are let go with it (``.grad`` is ``None``, as after a plain
+    ``zero_grad``), and the next window starts from nothing."""
+    model, ref = make_model(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = Step(model, mse, opt, sync=gradaccum.all_reduce())
+    x, y = data(4)
+    step.add((x[:2], y[:2]))
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"shapes cannot be multiplied"):
+        step.add((torch.randn(2, 4, dtype=torch.float64), y[:2]))
+    assert all(p.grad is None for p in model.parameters())
+    assert (step.window, step.micro_step) == (1, 0)
+    step.add((x[2:], y[2:]))
+    step.apply()
+    mse(ref, (x[2:], y[2:])).backward()
+    ref_opt.step()
+    assert max_param_diff(model, ref) < TIGHT

@@ -634,7 +634,14 @@ class Step:
         return self._on_device(("used", reached), tuple(mask))
 
     def _drop(self) -> None:
-        """Let the window in progress go (closed, aborted or replaced): its hooks too."""
+        """Let the window in progress go (closed, aborted or replaced): its hooks too.
+
+        The parameters' ``.grad``, its running sums, are set to ``None``: ``apply()`` sets them
+        from the boundary's result, and a window that failed leaves nothing there.
+        """
+        if self._win is not None:
+            for p in self._params:
+                p.grad = None
         for h in self._first:
             if h is not None:
                 h.remove()
