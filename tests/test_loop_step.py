@@ -1006,3 +1006,133 @@ def test_ranks_that_freeze_different_parameters_all_raise() -> None:
             "Step.apply(): the ranks disagree on the gradients to synchronise"
         )
         assert "nothing was reduced" in r["error"]
+
+
+# -- the fast path: the backward goes straight into the window's sums --------------------------
+
+
+def plain_grads(ref: nn.Module, sizes: list[int], x: torch.Tensor, y: torch.Tensor) -> None:
+    """The plain loop's gradients of one window (each micro-batch weighted by its rows)."""
+    for xb, yb in zip(x.split(sizes), y.split(sizes)):
+        (mse(ref, (xb, yb)) * (len(xb) / len(x))).backward()
+
+
+def test_the_backward_goes_into_the_all_reduce_buckets_without_a_copy(
+    world_of_one, monkeypatch
+) -> None:
+    """Each ``.grad`` is a view of the sync's flat bucket from the first backward on, and the later
+    backwards add into it in place: no ``torch.autograd.grad``, no gradient tree to copy."""
+    model, ref = make_model(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = Step(model, mse, opt, sync=gradaccum.all_reduce())
+
+    def refused(*args, **kwargs):
+        raise AssertionError("Step.add called torch.autograd.grad")
+
+    monkeypatch.setattr(torch.autograd, "grad", refused)
+    sizes = [3, 1, 2]
+    x, y = data(sum(sizes))
+    for w in range(2):
+        where = None
+        for j, mb in enumerate(zip(x.split(sizes), y.split(sizes))):
+            step.add(mb)
+            grads = [p.grad for p in model.parameters()]
+            assert all(g is not None and g._base is not None for g in grads), (w, j)
+            ptrs = [g.data_ptr() for g in grads]
+            assert where is None or ptrs == where, (w, j)
+            where = ptrs
+        step.apply()
+        ref_opt.zero_grad()
+        plain_grads(ref, sizes, x, y)
+        ref_opt.step()
+        assert max_param_diff(model, ref) < TIGHT
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_each_parameter_hook_runs_once_per_window() -> None:
+    """The ``used`` metric costs one Python hook call per parameter and window: on the micro-batch
+    that first reaches it (the extra head: the third), none after."""
+    model = Net()
+    step = Step(model, net_loss("mean"), torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    on_first = step._on_first
+
+    def counted(i, p):
+        calls.append(i)
+        on_first(i, p)
+
+    step._on_first = counted  # the hooks are made when a window opens
+    reached = [k for k, p in model.named_parameters() if not k.startswith(("unused", "extra"))]
+    for w in range(2):
+        per_micro = []
+        for j in range(4):
+            step.add(micro_batch(j, 2, extra=j == 2))
+            per_micro.append(len(calls))
+            calls.clear()
+        step.apply()
+        assert per_micro == [len(reached), 0, 2, 0], w
+
+
+def test_sums_in_another_dtype_take_the_generic_path() -> None:
+    """Float64 sums of float32 parameters: no ``.grad`` can hold them, so each micro-batch's
+    gradient is taken and added (``.grad`` untouched in the window), with the same result."""
+    model, ref = make_model().float(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = Step(model, mse, opt, accum_dtype=torch.float64)
+    sizes = [2, 3]
+    x, y = data(sum(sizes))
+    for mb in zip(x.split(sizes), y.split(sizes)):
+        step.add((mb[0].float(), mb[1].float()))
+        assert all(p.grad is None for p in model.parameters())
+    step.apply()
+    plain_grads(ref, sizes, x, y)
+    ref_opt.step()
+    assert max_param_diff(model.double(), ref) < 1e-6
+
+
+def test_an_error_inside_the_backward_without_sync_drops_the_window() -> None:
+    """The backward adds into the window's sums in place, so one that raises part-way leaves them
+    partial: the window's micro-batches so far are dropped (its index stays), and it goes on."""
+    model, ref = make_model(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def failing(model, batch):
+        out = model(batch[0])
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("in the backward")))
+        return F.mse_loss(out, batch[1])
+
+    step = Step(model, mse, opt)
+    x, y = data(5)
+    step.add((x[:2], y[:2]))
+    step.loss = failing
+    with pytest.raises(RuntimeError, match=re.escape("in the backward")):
+        step.add((x[2:4], y[2:4]))
+    assert (step.window, step.micro_step) == (0, 0)
+    step.loss = mse
+    step.add((x[4:], y[4:]))
+    stats = step.apply()
+    assert (stats.window, stats.micro_batches, stats.items) == (0, 1, 1.0)
+    mse(ref, (x[4:], y[4:])).backward()
+    ref_opt.step()
+    assert max_param_diff(model, ref) < TIGHT
+
+
+def test_a_failed_window_leaves_no_sums_in_grad(world_of_one) -> None:
+    """Under a sync, an error joins the boundary flagged as failed: the window's running sums,
+    which ``.grad`` pointed at, are let go with it (``.grad`` is ``None``, as after a plain
+    ``zero_grad``), and the next window starts from nothing."""
+    model, ref = make_model(), make_model()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = Step(model, mse, opt, sync=gradaccum.all_reduce())
+    x, y = data(4)
+    step.add((x[:2], y[:2]))
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"shapes cannot be multiplied"):
+        step.add((torch.randn(2, 4, dtype=torch.float64), y[:2]))
+    assert all(p.grad is None for p in model.parameters())
+    assert (step.window, step.micro_step) == (1, 0)
+    step.add((x[2:], y[2:]))
+    step.apply()
+    mse(ref, (x[2:], y[2:])).backward()
+    ref_opt.step()
+    assert max_param_diff(model, ref) < TIGHT

@@ -291,14 +291,24 @@ class Accumulator:
         return self._close(f"{self._where}.boundary(state)", state, "boundary()", stats=True)
 
     def _close(
-        self, where: str, state: AccumState[T], by: str, stats: bool = False
+        self,
+        where: str,
+        state: AccumState[T],
+        by: str,
+        stats: bool = False,
+        live: Window | None = None,
     ) -> tuple[T, AccumState[T], Any]:
-        """The boundary of ``finalize`` and ``boundary``: the stats only when asked for."""
+        """The boundary of ``finalize`` and ``boundary``: the stats only when asked for.
+
+        ``live``: the window that ``state`` is in, kept by the caller (see ``_live``).
+        """
         check_no_transform(where)
         check_state(where, state)
         check_live(where, state)
         sig = _metrics.signature(state.metrics)
-        window = self._window(where, state, self.window_size(state), sig)
+        window = live or self._window(where, state, self.window_size(state), sig)
+        if live is not None:
+            live.at(where)
         if sig:
             window.metrics = list(state.metrics.values())
         grads = window.finish(state.weight)
@@ -338,12 +348,60 @@ class Accumulator:
             >>> state.sums, state.micro_step, state.window
             (None, 0, 1)
         """
+        return self._abort(state)
+
+    def _abort(self, state: AccumState[T], live: Window | None = None) -> AccumState[T]:
+        """``abort``; ``live``: the window that ``state`` is in, kept by the caller (``_live``)."""
         where = f"{self._where}.abort(state)"
         check_state(where, state)
         sig = _metrics.signature(state.metrics)
         with contextlib.suppress(Exception):  # the caller's error is the one to report
-            self._window(where, state, self.window_size(state), sig).abort(state.weight)
+            window = live or self._window(where, state, self.window_size(state), sig)
+            window.abort(state.weight)
         return pass_on(state, self._next(state, state.reduce_state, sig), "abort()")
+
+    # -- a window kept by the caller: the backward goes straight into its sums (loop.Step) ---------
+
+    def _live(self, where: str, state: AccumState[T]) -> Window:
+        """The window ``state`` is in, for a caller that keeps it until ``_close``/``_abort``.
+
+        ``loop.Step`` runs each backward into its running sums (``prepare``, ``adopt``, and the
+        params' ``.grad`` pointing at them) and tells the state with ``_counted``.
+        """
+        sig = _metrics.signature(state.metrics)
+        return self._window(where, state, self.window_size(state), sig)
+
+    def _weigh(self, size: int | None, count: Any) -> tuple[int, _reduce.Weight]:
+        """A micro-batch's ``(alpha, weight)``, checked as ``add`` checks ``size``/``count``."""
+        return micro_weight("Accumulator.add(state, grads)", self.reduction, size, count)
+
+    def _check_add(self, state: AccumState[T], metrics: Any) -> None:
+        """What ``add`` checks of ``state`` and ``metrics`` (nothing is added yet).
+
+        Called before the backward that ``_counted`` then counts.
+        """
+        where = "Accumulator.add(state, grads)"
+        check_state(where, state)
+        check_live(where, state)
+        _metrics.check(where, state.metrics, state.micro_step == 0, metrics)
+
+    def _counted(
+        self, state: AccumState[T], window: Window, weight: _reduce.Weight, metrics: Any
+    ) -> AccumState[T]:
+        """``add`` for a micro-batch whose gradients are in ``window``'s sums already.
+
+        ``weight``: from ``_weigh``; ``metrics`` as for ``add``, checked by ``_check_add``. The
+        window is the one of ``_live``; its sums (updated in place) are the state's.
+        """
+        first = state.micro_step == 0
+        sums = state.sums if state.sums is not None else window.tree()
+        new = state._replace(
+            sums=sums,
+            weight=state.weight + weight,
+            micro_step=state.micro_step + 1,
+            metrics=_metrics.add(state.metrics, first, metrics, _metrics.device_of(state.layout)),
+        )
+        return pass_on(state, new, "add()")
 
     def _next(self, state: AccumState[T], reduce_state: Any, sig: Any) -> AccumState[T]:
         """A fresh state for the window after ``state``'s, carrying the sync's ``reduce_state``.

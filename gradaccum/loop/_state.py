@@ -232,6 +232,7 @@ def prepare(where: str, step: Any, state_dict: dict[str, Any]) -> Callable[[], N
         step.optimizer.load_state_dict(sd["optimizer"])
         if step.scheduler is not None:
             step.scheduler.load_state_dict(sd["scheduler"])
+        step._drop()  # the window in progress, if any, is replaced by the checkpoint's
         step.state = restored
         step._saves = 0  # the saves since the last boundary: none, on every rank
 

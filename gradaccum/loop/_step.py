@@ -6,18 +6,28 @@ the window, ``backward()``, one ``optimizer.step()``, ``scheduler.step()``,
 plain loop decides from ``.grad`` travels in the boundary collective that already carries the
 window's weight, as metrics (no collective of its own, no host sync per micro-batch):
 
-- ``used``: per trainable parameter, the micro-batches whose loss reached it (a 1-D metric).
-  A parameter with a count of 0 over every rank keeps ``.grad`` ``None``, as in the plain loop
+- ``used``: per trainable parameter, a count that is 0 exactly when no micro-batch reached it (a
+  1-D metric): on the fast path 1 per rank whose window reached it (a hook per parameter, removed
+  once a backward reaches it), on the generic path the micro-batches that reached it. A
+  parameter with a count of 0 over every rank keeps ``.grad`` ``None``, as in the plain loop
   (and under DDP, for a parameter unused on every rank): weight decay and momentum leave it,
   and the optimizer grows no state for it.
 - ``saves``: ``[1, c, c**2]`` for the ``c`` calls of ``loop.save`` on the rank since the last
   boundary. Summed over the ranks, ``ranks * sum(c**2) == sum(c)**2`` exactly when every rank
   saved as often, which every rank reads from the same totals, so all of them raise together.
 - ``loss``, ``micro_batches``: the window's statistics (``StepStats``).
+
+The fast path (every sum in its parameter's dtype): ``add`` runs ``backward()`` into the window
+that ``Accumulator._live`` opened at the window's first micro-batch. That backward's gradients
+become the sums (``Window.adopt``, from a hook as each is produced: into the flat buckets under
+``all_reduce()``), the parameters' ``.grad`` point at them, and the later backwards add in place.
+``apply()`` closes that same window (``Accumulator._close(..., live)``). Other sums (another
+dtype) take the generic path: ``torch.autograd.grad``, then ``Accumulator.add``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
@@ -29,7 +39,7 @@ import torch
 from .. import _metrics, _reduce, _tree
 from .._checks import positive
 from .._core.accumulator import Accumulator
-from .._core.protocol import check_sync
+from .._core.protocol import Window, check_sync
 from .._core.state import AccumState
 from .._errors import GradAccumError, describe
 from ..boundary import clip_by_global_norm
@@ -129,8 +139,9 @@ class Step:
     """One training step of a ``torch.nn.Module``, accumulated over a window of micro-batches.
 
     [`add(batch)`][gradaccum.loop.Step.add] runs one micro-batch: ``loss(model, batch)``, its
-    backward (into the window's running sums of an [`Accumulator`][gradaccum.Accumulator]), and
-    the loss into the window's statistics. [`apply()`][gradaccum.loop.Step.apply] closes the
+    backward (into the window's running sums of an [`Accumulator`][gradaccum.Accumulator],
+    through the parameters' ``.grad`` when the sums have their dtype), and the loss into the
+    window's statistics. [`apply()`][gradaccum.loop.Step.apply] closes the
     window: the boundary (one collective under a sync, which also carries the statistics),
     clipping, ``.grad``, ``optimizer.step()``, exactly one ``scheduler.step()``, and the
     gradients set to ``None``.
@@ -311,6 +322,15 @@ class Step:
         self._flags = [p.requires_grad for _, p in self._every]
         self._zeros: list[torch.Tensor | None] = []
         self._masks: dict[Any, torch.Tensor] = {}
+        # The fast path (every sum in its parameter's dtype): the backwards run straight into the
+        # window's sums, which the trainable parameters' .grad point at.
+        self._fast = False
+        self._slot: list[int] = []  # each trainable parameter's leaf in the window's layout
+        self._win: Window | None = None  # the window in progress, once a micro-batch opened it
+        self._first: list[Any] = []  # per parameter: its hook until a backward of the window
+        self._hit: list[int] = []  # the parameters those hooks saw in the running backward
+        self._adopting = False  # the window's first backward: its gradients become the sums
+        self._seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
         self._train(where, fresh=True)
         hooks = getattr(data, "_on_error", None)
         if isinstance(hooks, list):  # one step per data: a step built before is let go
@@ -340,6 +360,7 @@ class Step:
                 f"requires_grad fixed with this sync, or build a new sync and Step after "
                 f"changing it. Nothing was changed."
             )
+        self._drop()
         self._names = [k for k, _ in named]
         self._params = [p for _, p in named]
         self._zeros = [None] * len(named)
@@ -347,6 +368,11 @@ class Step:
         state = self.acc.init({k: p.detach() for k, p in named}, metrics=self._metric_shapes())
         self.state = state if old is None else state._replace(window=old.window, epoch=old.epoch)
         self._device = _metrics.device_of(self.state.layout)
+        self._fast = self.state.layout.same_dtypes
+        order = _tree.flatten({k: i for i, k in enumerate(self._names)})[0]  # the layout's order
+        self._slot = [0] * len(named)
+        for leaf, i in enumerate(order):
+            self._slot[i] = leaf
 
     def _follow(self, where: str) -> None:
         """Before a micro-batch (or an empty window's boundary): follow ``requires_grad``.
@@ -451,7 +477,10 @@ class Step:
 
         On an error (in the loss, say) under a sync, this rank joins the window's boundary
         flagged as failed, so that every other rank raises instead of waiting, and the error
-        is re-raised. Without a sync the micro-batch is left out and the window goes on.
+        is re-raised. Without a sync the micro-batch is left out and the window goes on; but
+        on the fast path a backward that raised part-way (a tensor hook's error) has added into
+        some of the window's sums already, so the window's micro-batches so far are dropped
+        with it (its index stays).
 
         Raises:
             TypeError: The loss function returned the wrong kind (see ``loss`` of
@@ -463,9 +492,26 @@ class Step:
         where = "Step.add(batch)"
         if self._since is None:
             self._since = time.perf_counter()
+        began = False
         try:
             self._follow(where)
             value, weight = self._split(where, self.loss(self.model, batch), batch)
+            if self._fast:
+                summed = value.detach() * weight if self.reduction == "mean" else value.detach()
+                size, count = (None, weight) if self.reduction == "count" else (weight, None)
+                alpha, counted = self.acc._weigh(size, count)
+                metrics = {
+                    "loss": summed,
+                    "micro_batches": 1,
+                    "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
+                    "used": self._on_device("no new use", (0.0,) * len(self._params)),
+                }
+                self.acc._check_add(self.state, metrics)
+                window = self._open(where)
+                began = True
+                metrics["used"] = self._backward(window, value, alpha)
+                self.state = self.acc._counted(self.state, window, counted, metrics)
+                return
             grads = torch.autograd.grad(value, self._params, allow_unused=True)
             used = tuple(g is not None for g in grads)
             tree = {
@@ -487,9 +533,21 @@ class Step:
                 self.state = self.acc.add(self.state, tree, size=weight, metrics=metrics)
         except BaseException:
             if self.sync is not None:
-                self.state = self.acc.abort(self._with_saves(self.state, self._saves))
-                self._saves = 0
+                self._abort()
+            elif began:  # the backward raised part-way: the sums it was adding into are partial
+                index = self.state.window
+                self.state = self.acc._abort(self.state, self._win)._replace(window=index)
+                self._drop()
             raise
+
+    def _abort(self) -> None:
+        """Join the window's boundary flagged as failed (the other ranks raise in ``apply()``)."""
+        state = self._with_saves(self.state, self._saves)
+        self._saves = 0
+        try:
+            self.state = self.acc._abort(state, self._win)
+        finally:
+            self._drop()
 
     def _failed_data(self, err: BaseException) -> None:
         """``data``'s callback: reading a micro-batch raised ``err`` on this rank.
@@ -498,8 +556,99 @@ class Step:
         raise in ``apply()``); ``data`` re-raises ``err`` after.
         """
         if self.sync is not None:
-            self.state = self.acc.abort(self._with_saves(self.state, self._saves))
-            self._saves = 0
+            self._abort()
+
+    # -- the fast path: the backward into the window's sums --------------------------------------
+
+    def _open(self, where: str) -> Window:
+        """The window in progress, opened at its first micro-batch (or after a resume).
+
+        A new window keeps its first backward's gradients as its sums (a bucket's view under
+        ``all_reduce()``: moved there by a hook as each is produced, as ``accumulate`` does);
+        restored sums (a checkpoint's window) become the parameters' ``.grad`` at once. Either
+        way every trainable parameter gets a hook that tells, once per window, that a backward
+        reached it (the ``used`` metric).
+        """
+        window = self._win
+        if window is not None:
+            return window
+        params, state = self._params, self.state
+        if state.sums is None:
+            for p in params:  # (what the user left there would be added into the sums)
+                p.grad = None
+        window = self.acc._live(where, state)
+        if state.sums is None:
+            window.prepare(zero=False)
+            self._adopting = True
+        else:
+            sums = state.sums
+            for k, p in zip(self._names, params):
+                p.grad = sums[k]
+        self._win = window
+        self._hit.clear()
+        self._first = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_first, i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(params)
+        ]
+        return window
+
+    def _on_first(self, i: int, p: torch.Tensor) -> None:
+        """A backward reached parameter ``i``, for the first time in the window."""
+        if self._adopting:  # its first gradient: moved into the window's storage
+            p.grad = self._win.adopt(self._slot[i], p.grad)  # type: ignore[union-attr]
+        self._hit.append(i)
+
+    def _backward(self, window: Window, value: torch.Tensor, alpha: float) -> torch.Tensor:
+        """Backward of ``value``, scaled by ``alpha``, into the sums; the ``used`` metric's mask.
+
+        The mask has a 1 for each parameter that this backward reached first in the window, so
+        its sum over the window is 1 for a parameter that any micro-batch reached (0 else).
+        """
+        key = (alpha, value.dtype, value.device)
+        seed = self._seeds.get(key)
+        if seed is None:
+            if len(self._seeds) >= _MASKS:
+                self._seeds.clear()
+            seed = self._seeds[key] = torch.full((), alpha, dtype=value.dtype, device=value.device)
+        params = self._params
+        window.begin(1)
+        torch.autograd.backward(value, seed, inputs=params)
+        if self._adopting:  # the parameters this first backward did not reach: a zero sum
+            self._adopting = False
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    p.grad = window.adopt(self._slot[i], None)
+        window.step()
+        hit = self._hit
+        if not hit:
+            return self._on_device("no new use", (0.0,) * len(params))
+        first = self._first
+        for i in hit:
+            first[i].remove()
+            first[i] = None
+        reached = tuple(sorted(hit))
+        hit.clear()
+        mask = [0.0] * len(params)
+        for i in reached:
+            mask[i] = 1.0
+        return self._on_device(("used", reached), tuple(mask))
+
+    def _drop(self) -> None:
+        """Let the window in progress go (closed, aborted or replaced): its hooks too.
+
+        The parameters' ``.grad``, its running sums, are set to ``None``: ``apply()`` sets them
+        from the boundary's result, and a window that failed leaves nothing there.
+        """
+        if self._win is not None:
+            for p in self._params:
+                p.grad = None
+        for h in self._first:
+            if h is not None:
+                h.remove()
+        self._first = []
+        self._hit.clear()
+        self._win = None
+        self._adopting = False
 
     def apply(self) -> StepStats:
         """Close the window: boundary, clip, ``.grad``, one optimizer and scheduler step.
@@ -524,8 +673,9 @@ class Step:
         self._saves = 0
         try:
             # Accumulator.boundary, its errors named after this call (not Accumulator(n=...)).
-            closed = self.acc._close(where, self._with_saves(self.state, saves), "apply()", True)
-            grads, self.state, totals = closed
+            state, live = self._with_saves(self.state, saves), self._win
+            self._drop()
+            grads, self.state, totals = self.acc._close(where, state, "apply()", True, live)
         except TypeError as err:
             if "did not report the window's totals" not in str(err):
                 raise
