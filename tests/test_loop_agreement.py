@@ -245,3 +245,45 @@ def test_a_save_in_an_uneven_last_window_resumes_bit_identically(tmp_path) -> No
     """Rank 1's data ran out in window 1 (2 of 3 micro-batches): its position at window 2 is
     its data's end, not window 2's start; it was refused there (and rank 0 waited)."""
     assert dist.values(dist.run(_uneven_resume, str(tmp_path), timeout=120)) == [True, True]
+
+
+def _clip_run(rank: int, world: int) -> dict[str, Any]:
+    """``Step(clip=0.1)`` on rank 0, no clipping on rank 1: the replicas would drift apart."""
+    import torch
+
+    from gradaccum.loop import Step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def mse(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((m(x) - y) ** 2).mean()
+
+    step = Step(model, mse, opt, clip=0.1 if rank == 0 else None, sync=gradaccum.all_reduce())
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 3, generator=g).double(), torch.randn(4, 1, generator=g).double()
+    step.add((x[:2], y[:2]))
+    step.add((x[2:], y[2:]))
+    try:
+        step.apply()
+    except Exception as err:  # noqa: BLE001
+        unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        return {"error": type(err).__name__, "message": str(err), "unchanged": unchanged}
+    return {"error": None}
+
+
+def test_ranks_whose_step_clips_differently_all_raise_before_stepping() -> None:
+    r0, r1 = dist.values(dist.run(_clip_run, timeout=120))
+    for rank, got in enumerate((r0, r1)):
+        clip = "0.1" if rank == 0 else "None"
+        assert got == {
+            "error": "GradAccumError",
+            "message": f"Step.apply(): the ranks built their Step with different options (this "
+            f"rank: clip={clip}), so their parameters would drift apart from window 0 on. Every "
+            f"rank must build its Step with the same clip. The optimizer did not step, on any "
+            f"rank.",
+            "unchanged": True,
+        }, rank
