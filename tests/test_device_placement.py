@@ -310,3 +310,30 @@ def _default_device_window(case: str) -> None:
 @pytest.mark.usefixtures("seen")
 def test_collectives_follow_the_params_not_the_default_device(case: str) -> None:
     _default_device_window(case)
+
+
+def test_a_kept_log_does_not_keep_the_process_group_alive() -> None:
+    """A log of ``record_collectives`` kept after ``destroy_process_group`` lets the group go.
+
+    A record that held its group strongly kept it, and its backend's threads, until the
+    interpreter's finalization, where freeing them aborted the process now and then
+    ("terminate called without an active exception", examples/lightning_recipe.py under load).
+    """
+    import gc
+    import weakref
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with gradaccum.sync.record_collectives() as log:
+            gradaccum.accumulate(
+                lambda p, b: {"w": b.sum() * p["w"]}, 2, sync=gradaccum.all_reduce()
+            )({"w": torch.ones(3)}, torch.ones(4))
+        group = weakref.ref(dist.group.WORLD)
+        assert log
+        assert all(c.group is group() for c in log)
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert group() is None
+    assert all(c.group is None for c in log)
+    assert {c.purpose for c in log} >= {"gradients"}

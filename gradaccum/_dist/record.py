@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+import functools
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,16 +15,21 @@ __all__ = ["Collective", "record", "record_collectives"]
 _LOGS: list[list[Collective]] = []
 
 
-@dataclass(frozen=True)
 class Collective:
     """One collective issued by gradaccum, as logged by a recorder.
 
     [`record_collectives()`][gradaccum.sync.record_collectives] yields a list of them.
 
+    A record does not keep its process group alive: it holds it weakly, so that a log kept after
+    ``torch.distributed.destroy_process_group()`` does not keep the group (and its backend's
+    threads) until the interpreter's finalization, where freeing them can abort the process.
+    ``group`` is then ``None``.
+
     Attributes:
         kind: The torch.distributed function: ``"all_reduce"``, ``"reduce_scatter"``,
             ``"all_gather"``, ``"broadcast"``, ``"all_gather_object"``.
-        group: The process group it ran on (``torch.distributed.group.WORLD`` for the default).
+        group: The process group it ran on (``torch.distributed.group.WORLD`` for the default),
+            or ``None`` once that group has been freed.
         dtype: The dtype of the tensor on the wire.
         numel: Elements on the wire (0 for object collectives, whose size is not known).
         nbytes: Bytes on the wire: ``numel`` times the element size.
@@ -42,13 +48,73 @@ class Collective:
         40
     """
 
+    __slots__ = ("_group", "dim", "dtype", "kind", "nbytes", "numel", "purpose")
+
+    _group: Callable[[], Any]
     kind: str
-    group: Any
     dtype: torch.dtype
     numel: int
     nbytes: int
     purpose: str
-    dim: str | None = None
+    dim: str | None
+
+    def __init__(
+        self,
+        kind: str,
+        group: Any,
+        dtype: torch.dtype,
+        numel: int,
+        nbytes: int,
+        purpose: str,
+        dim: str | None = None,
+    ) -> None:
+        try:
+            ref: Callable[[], Any] = weakref.ref(group) if group is not None else _none
+        except TypeError:  # an object without weak references: kept as it is
+            ref = functools.partial(_same, group)
+        for name, value in (
+            ("kind", kind),
+            ("_group", ref),
+            ("dtype", dtype),
+            ("numel", numel),
+            ("nbytes", nbytes),
+            ("purpose", purpose),
+            ("dim", dim),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def group(self) -> Any:
+        """The process group, or ``None`` (none given, or freed since)."""
+        return self._group()
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.kind, self.group, self.dtype, self.numel, self.nbytes, self.purpose, self.dim)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Collective is immutable: cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Collective):
+            return NotImplemented
+        mine, theirs = self._fields(), other._fields()
+        return mine[1] is theirs[1] and mine[:1] + mine[2:] == theirs[:1] + theirs[2:]
+
+    def __hash__(self) -> int:
+        return hash((self.kind, id(self.group), self.dtype, self.numel, self.purpose, self.dim))
+
+    def __repr__(self) -> str:
+        names = ("kind", "group", "dtype", "numel", "nbytes", "purpose", "dim")
+        body = ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields()))
+        return f"Collective({body})"
+
+
+def _none() -> None:
+    return None
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 @contextlib.contextmanager

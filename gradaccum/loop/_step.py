@@ -312,7 +312,7 @@ class Step:
         # What the ranks must agree on that the fingerprint does not see: checked at apply().
         self._options = f"clip={clip!r}"
         self._options_hash = int.from_bytes(
-            hashlib.blake2b(self._options.encode(), digest_size=4).digest()
+            hashlib.blake2b(self._options.encode(), digest_size=4).digest(), "little"
         )
         self.reduction = reduction
         self.sync = sync
