@@ -12,12 +12,9 @@ window's weight, as metrics (no collective of its own, no host sync per micro-ba
   parameter with a count of 0 over every rank keeps ``.grad`` ``None``, as in the plain loop
   (and under DDP, for a parameter unused on every rank): weight decay and momentum leave it,
   and the optimizer grows no state for it.
-- ``saves``: ``[1, c, c**2, h, h**2]`` for the ``c`` calls of ``loop.save`` on the rank since
-  the last boundary, and ``h``, a 20-bit hash (10 on MPS) of the ``Step``'s own options that the
-  fingerprint does not cover (``clip``). Summed over the ranks, ``ranks * sum(c**2) ==
-  sum(c)**2`` exactly when every rank saved as often (and the same for ``h``: when every rank
-  has the same options), which every rank reads from the same totals, so all of them raise
-  together, before the optimizer steps.
+- ``saves``: ``[1, c, c**2]`` for the ``c`` calls of ``loop.save`` on the rank since the last
+  boundary. Summed over the ranks, ``ranks * sum(c**2) == sum(c)**2`` exactly when every rank
+  saved as often, which every rank reads from the same totals, so all of them raise together.
 - ``loss``, ``micro_batches``: the window's statistics (``StepStats``).
 
 The fast path (every sum in its parameter's dtype): ``add`` runs ``backward()`` into the window
@@ -31,7 +28,6 @@ dtype) take the generic path: ``torch.autograd.grad``, then ``Accumulator.add``.
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import math
 import time
@@ -309,11 +305,6 @@ class Step:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.clip = clip
-        # What the ranks must agree on that the fingerprint does not see: checked at apply().
-        self._options = f"clip={clip!r}"
-        self._options_hash = int.from_bytes(
-            hashlib.blake2b(self._options.encode(), digest_size=4).digest(), "little"
-        )
         self.reduction = reduction
         self.sync = sync
         self.data = data
@@ -350,7 +341,7 @@ class Step:
 
     def _metric_shapes(self) -> dict[str, tuple[int, ...]]:
         """The window's metrics: see the module notes."""
-        return {"loss": (), "micro_batches": (), "saves": (5,), "used": (len(self._names),)}
+        return {"loss": (), "micro_batches": (), "saves": (3,), "used": (len(self._names),)}
 
     def _train(self, where: str, fresh: bool) -> None:
         """Make the parameters with ``requires_grad`` now those of the window that starts."""
@@ -475,15 +466,10 @@ class Step:
         return t
 
     def _with_saves(self, state: Any, saves: int) -> Any:
-        """``state`` with ``[1, saves, saves**2, h, h**2]`` in its sums, for the boundary.
-
-        ``h``: the hash of the Step's options.
-        """
-        # h**2 summed over the ranks stays exact: 20 bits in float64, 10 in MPS's float32
-        bits = 10 if self._device.type == "mps" else 20
-        c, h = float(saves), float(self._options_hash % 2**bits + 1)
+        """``state`` with this rank's ``[1, saves, saves**2]`` in its sums, for the boundary."""
+        c = float(saves)
         sums = dict(state.metrics or {})
-        sums["saves"] = self._on_device(("saves", c), (1.0, c, c * c, h, h * h))
+        sums["saves"] = self._on_device(("saves", c), (1.0, c, c * c))
         return state._replace(metrics=dict(sorted(sums.items())))
 
     def add(self, batch: Any) -> None:
@@ -517,7 +503,7 @@ class Step:
                 metrics = {
                     "loss": summed,
                     "micro_batches": 1,
-                    "saves": self._on_device("no saves", (0.0,) * 5),
+                    "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
                     "used": self._on_device("no new use", (0.0,) * len(self._params)),
                 }
                 self.acc._check_add(self.state, metrics)
@@ -538,7 +524,7 @@ class Step:
                 "micro_batches": 1,
                 # zeros: apply() puts this rank's count there (the same width: the buckets of the
                 # window's sums hold the tail the boundary sends)
-                "saves": self._on_device("no saves", (0.0,) * 5),
+                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
                 "used": self._on_device(used, used),
             }
             if self.reduction == "count":
@@ -700,14 +686,7 @@ class Step:
                 "gradaccum.Accumulator with finalize()."
             ) from err
         m = totals.metrics
-        ranks, calls, squares, hashes, hash_squares = cast(list[float], m["saves"])
-        if ranks * hash_squares != hashes * hashes:
-            raise GradAccumError(
-                f"{where}: the ranks built their Step with different options (this rank: "
-                f"{self._options}), so their parameters would drift apart from window "
-                f"{totals.window} on. Every rank must build its Step with the same clip. The "
-                f"optimizer did not step, on any rank."
-            )
+        ranks, calls, squares = cast(list[float], m["saves"])
         if ranks * squares != calls * calls:
             raise GradAccumError(
                 f"{where}: the ranks called gradaccum.loop.save a different number of times in "
