@@ -102,6 +102,19 @@ def test_reduce_dtype_must_be_a_floating_dtype(value: Any, exc: type[Exception],
 # -- one process: the cast path runs, the record shows the wire --------------------------------
 
 
+def summed(path: str, sync: Any, params: Any, batch: Any) -> Any:
+    """The sum over 2 micro-batches of 4 rows: ``accumulate`` (fast path) or ``Accumulator``."""
+    if path != "accumulator":
+        return gradaccum.accumulate(grad(sum_loss), 2, reduction="sum", sync=sync)(params, batch)
+    acc = gradaccum.Accumulator(2, reduction="sum", sync=sync)
+    state = acc.init(params)
+    for i in range(2):
+        mb = (batch[0][4 * i : 4 * i + 4], batch[1][4 * i : 4 * i + 4])
+        state = acc.add(state, grad(sum_loss)(params, mb), size=4)
+    got, _ = acc.finalize(state)
+    return got
+
+
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize("path", ["fast", "no-overlap", "accumulator"])
 def test_world_of_one_bf16_wire_is_the_rounded_sum(path: str) -> None:
@@ -109,15 +122,7 @@ def test_world_of_one_bf16_wire_is_the_rounded_sum(path: str) -> None:
     local = gradaccum.accumulate(grad(sum_loss), 2, reduction="sum")(params, batch)
     sync = gradaccum.all_reduce(reduce_dtype=BF16, overlap=path != "no-overlap")
     with gradaccum.sync.record_collectives() as log:
-        if path == "accumulator":
-            acc = gradaccum.Accumulator(2, reduction="sum", sync=sync)
-            state = acc.init(params)
-            for i in range(2):
-                mb = (batch[0][4 * i : 4 * i + 4], batch[1][4 * i : 4 * i + 4])
-                state = acc.add(state, grad(sum_loss)(params, mb), size=4)
-            got, _ = acc.finalize(state)
-        else:
-            got = gradaccum.accumulate(grad(sum_loss), 2, reduction="sum", sync=sync)(params, batch)
+        got = summed(path, sync, params, batch)
     for k in params:
         assert got[k].dtype == F32
         assert torch.equal(got[k], local[k].bfloat16().float())
@@ -153,16 +158,7 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
         for wire in (None, BF16):
             sync = gradaccum.all_reduce(reduce_dtype=wire, overlap=path != "no-overlap")
             with gradaccum.sync.record_collectives() as log:
-                if path == "accumulator":
-                    acc = gradaccum.Accumulator(2, reduction="sum", sync=sync)
-                    state = acc.init(params)
-                    for i in range(2):
-                        mb = (batch[0][4 * i : 4 * i + 4], batch[1][4 * i : 4 * i + 4])
-                        state = acc.add(state, grad(sum_loss)(params, mb), size=4)
-                    got, _ = acc.finalize(state)
-                else:
-                    step = gradaccum.accumulate(grad(sum_loss), 2, reduction="sum", sync=sync)
-                    got = step(params, batch)
+                got = summed(path, sync, params, batch)
             out[f"{path} {wire}"] = got
             out[f"{path} {wire} log"] = [
                 (c.dtype, c.nbytes) for c in log if c.purpose == "gradients"
