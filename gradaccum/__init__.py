@@ -17,6 +17,9 @@ from ._autograd import grad as grad
 from ._autograd import grad_and_value as grad_and_value
 from ._core.accumulate import accumulate as accumulate
 from ._core.accumulator import Accumulator as Accumulator
+from ._coupled._cache import coupled as coupled
+from ._coupled._exchange import Rows as Rows
+from ._coupled._stats import window_stats as window_stats
 from ._errors import GradAccumError as GradAccumError
 from ._module import buffers_of as buffers_of
 from ._module import call_module as call_module
@@ -35,10 +38,12 @@ __all__ = [
     "Accumulator",
     "GradAccumError",
     "MicroBatches",
+    "Rows",
     "accumulate",
     "all_reduce",
     "buffers_of",
     "call_module",
+    "coupled",
     "custom_reduce",
     "grad",
     "grad_and_value",
@@ -47,5 +52,6 @@ __all__ = [
     "shard",
     "testing",
     "update_buffers",
+    "window_stats",
     "write_grads",
 ]

@@ -1,0 +1,210 @@
+"""``window_stats``: a loss that needs statistics of the whole window, exact under accumulation.
+
+An MoE load-balancing loss multiplies, for each expert, the fraction of the window's tokens
+routed to it (a count, with no gradient) by the mean router probability (per token, with one).
+Per micro-batch, the fractions are the micro-batch's, not the window's: plain accumulation
+changes the objective. Pass 1 here computes the statistics of every micro-batch without a graph,
+sums them over the window and the ranks (two small collectives: ``Exchange.agree`` and one
+all-reduce), and pass 2 is one [`accumulate()`][gradaccum.accumulate] whose loss gets them as
+constants, with pass 1's random numbers replayed per micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _reduce, _split, _tree
+from .._autograd import check_no_transform, grad_and_value
+from .._core.accumulate import accumulate
+from .._core.protocol import LOCAL, Sync, check_sync
+from .._errors import GradAccumError, describe
+from .._layout import check_n
+from ..sharding._sharded import Sharded
+from ._exchange import Exchange, Leaves
+from ._replay import KeptBuffers, RandomStates
+
+__all__ = ["window_stats"]
+
+
+class _Pass2:
+    """The loss of pass 2: the window's statistics passed in, pass 1's random state replayed."""
+
+    def __init__(self, loss: Callable[..., Any]) -> None:
+        self.loss = loss
+        self.rng = RandomStates()
+        self.next = 0
+
+    def step(self, params: Any, batch: Any, stats: Any) -> torch.Tensor:
+        j, self.next = self.next, self.next + 1
+        self.rng.replay(j)
+        return self.loss(params, batch, stats)  # type: ignore[no-any-return]
+
+
+def window_stats(
+    stats: Callable[[Any, Any], Any],
+    loss: Callable[[Any, Any, Any], torch.Tensor],
+    n: int,
+    *,
+    sync: Sync | None = None,
+    reduction: _reduce.Reduction = "mean",
+) -> Callable[[Any, Any], tuple[Any, torch.Tensor]]:
+    """Accumulate ``loss`` over ``n`` micro-batches, with statistics of the whole window.
+
+    ``stats(params, micro_batch)`` runs first on every micro-batch, without a graph; its
+    results are summed over the window's micro-batches and, with a sync, over the ranks. Then
+    ``loss(params, micro_batch, window)`` is accumulated as by
+    [`accumulate()`][gradaccum.accumulate], with ``window`` (those sums) a constant: the
+    gradient is the whole-batch gradient of a loss that uses window-level statistics, such as
+    an MoE load-balancing loss (each expert's fraction of the window's tokens times its mean
+    router probability) or a loss normalised by the window's token count.
+
+    Pass 2 replays pass 1's random numbers per micro-batch, so a router behind dropout routes
+    as it was counted; buffers that pass 2 changes (BatchNorm's running statistics) are put
+    back as pass 1 left them. Statistics are return values, never side effects, so activation
+    checkpointing, which runs a block's forward again during the backward, cannot count tokens
+    twice. The cost is one forward per micro-batch without a graph. See the page "Coupled
+    losses" (docs/coupled.md).
+
+    Args:
+        stats: ``stats(params, micro_batch) -> tree``: a pytree of tensors (counts, sums),
+            shaped the same for every micro-batch and rank. They are summed in float64 and
+            returned in their own dtypes (integer counts stay exact up to 2**53).
+        loss: ``loss(params, micro_batch, window) -> scalar``: the micro-batch's loss given the
+            window's sums, as for ``accumulate``'s step function under ``reduction``.
+        n: The number of micro-batches (or a [`MicroBatches`][gradaccum.MicroBatches] batch).
+        sync: ``None`` (one process) or a sync, as for ``accumulate``; the statistics are summed
+            over its data-parallel group (a process group or 1-D mesh).
+        reduction: ``"mean"`` (each micro-batch's loss is a mean over its rows) or ``"sum"``.
+
+    Returns:
+        A function ``(params, batch) -> (grads, value)``, ``value`` the window's loss as
+        ``accumulate(grad_and_value(...))`` returns it.
+
+    Raises:
+        TypeError: ``stats`` or ``loss`` is not callable; (when called) ``stats`` returned a
+            non-tensor leaf.
+        ValueError: ``n < 1``; micro-batches whose statistics differ in tree or shape.
+        GradAccumError: With a sync: another rank failed in pass 1, or the ranks disagree on
+            the statistics' layout or the window.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> def stats(p, x):  # how many rows of the window are positive
+        ...     return (x > 0).sum()
+        >>> def loss(p, x, positives):  # mean over the rows, weighted by the window's count
+        ...     return (x * p["w"]).mean() / positives
+        >>> step = gradaccum.window_stats(stats, loss, n=2)
+        >>> x = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.float64)
+        >>> grads, value = step({"w": torch.tensor(1.0, dtype=torch.float64)}, x)
+        >>> grads["w"]  # d/dw of mean(x * w) / 3
+        tensor(0.5000, dtype=torch.float64)
+    """
+    for arg, fn, shape in (("stats", stats, "stats(params, micro_batch) -> tree"),
+                           ("loss", loss, "loss(params, micro_batch, window) -> scalar")):
+        if not callable(fn):
+            raise TypeError(
+                f"window_stats(stats, loss, n): {arg} must be a function {shape}, got "
+                f"{describe(fn)}."
+            )
+    where = f"window_stats({getattr(stats, '__name__', 'stats')}, "
+    where += f"{getattr(loss, '__name__', 'loss')}, n={n!r})"
+    check_n(where, n)
+    check_sync(where, sync)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"{where}: reduction must be 'mean' or 'sum', got {reduction!r}; for a token mean, "
+            f"count the tokens in stats and divide a summed loss by the window's count."
+        )
+    kind = sync if sync is not None else LOCAL
+    ctx = _Pass2(loss)
+    inner = accumulate(grad_and_value(ctx.step), n, reduction=reduction, sync=sync)
+    opened = [0]
+
+    def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
+        call = f"{where}(params, batch)"
+        check_no_transform(call)
+        index, opened[0] = opened[0], opened[0] + 1
+        exchange = None
+        if kind is not LOCAL:
+            exchange = Exchange(call, kind.data_group(), kind.timeout)
+        micro = _split.split(call, batch, n, short_ok=exchange is not None)
+        full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
+        rng = RandomStates()
+        sums, spec, layout, failure = None, None, None, None
+        try:
+            with torch.no_grad():
+                for j, (mb, _rows) in enumerate(micro):
+                    rng.capture()
+                    sums, spec, layout = _add(call, j, stats(full, mb), sums, spec, layout)
+        except Exception as err:  # joined as failed below, then re-raised
+            failure = err
+        rows = sum(r for _, r in micro)
+        device = sums.device if sums is not None else _device(params)
+        if exchange is not None:
+            exchange.agree(rows, failure is not None, layout, index, device)
+        if failure is not None:
+            raise failure
+        if sums is None:  # no micro-batch on this rank: the others' layout
+            raise GradAccumError(
+                f"{call}: this rank has no rows in this window; window_stats() needs at least "
+                f"one row per rank. Give every rank at least one row."
+            )
+        if exchange is not None:
+            what = "the window's statistics (all_reduce)"
+            exchange.comm.wait(exchange.comm.all_reduce(sums, what, "window statistics"), what)
+        window = _unflat(sums, spec, layout)
+        ctx.rng, ctx.next = rng, 0
+        rng.end_of_pass()
+        try:
+            with KeptBuffers():
+                out = inner(params, batch, window)
+        finally:
+            rng.restore()
+        return out  # type: ignore[no-any-return]
+
+    return functools.wraps(loss)(step) if not torch.compiler.is_compiling() else step
+
+
+def _device(params: Any) -> torch.device:
+    for leaf in _tree.flatten(params)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def _add(
+    call: str, j: int, out: Any, sums: torch.Tensor | None, spec: Any, layout: Leaves | None
+) -> tuple[torch.Tensor, Any, Leaves]:
+    """Micro-batch ``j``'s statistics added into the float64 running sums."""
+    paths, flat, tree = _tree.flatten_with_paths(out)
+    for p, t in zip(paths, flat):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{call}: stats returned a non-tensor leaf {p} ({describe(t)}) for micro-batch "
+                f"{j}; return a pytree of tensors (counts, sums)."
+            )
+    mine = Leaves(tuple(paths), tuple(t.dtype for t in flat), tuple(tuple(t.shape) for t in flat))
+    if layout is not None and (tree != spec or mine != layout):
+        raise ValueError(
+            f"{call}: stats for micro-batch {j} differ from micro-batch 0's: "
+            f"{'; '.join(mine.lines())} against {'; '.join(layout.lines())}; return the same "
+            f"tree, dtypes and shapes for every micro-batch."
+        )
+    if not flat:
+        raise TypeError(f"{call}: stats returned no tensor; return the statistics to sum.")
+    vec = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in flat])
+    return (vec if sums is None else sums.add_(vec)), tree, mine
+
+
+def _unflat(sums: torch.Tensor, spec: Any, layout: Leaves) -> Any:
+    out, at = [], 0
+    for dtype, shape, w in zip(layout.dtypes, layout.shapes, layout.widths()):
+        v = sums[at : at + w].reshape(shape)
+        out.append(v.round().to(dtype) if not dtype.is_floating_point and dtype != torch.bool
+                   else v.to(dtype))
+        at += w
+    return _tree.unflatten(spec, out)
