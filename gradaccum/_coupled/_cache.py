@@ -52,7 +52,7 @@ class _Pass2:
         if j == 0 and self.direct:  # the loss's own use of the params, added once
             flat = _tree.flatten(params)[0]
             total = total + sum((flat[i] * d).sum() for i, d in self.direct)
-        return total  # type: ignore[return-value]
+        return total  # type: ignore[no-any-return]
 
 
 def coupled(
@@ -133,16 +133,18 @@ def coupled(
         >>> p = {"w": torch.randn(8, 4, dtype=torch.float64)}
         >>> x = torch.randn(16, 8, dtype=torch.float64)
         >>> grads, value = gradaccum.coupled(embed, info_nce, n=4)(p, x)
-        >>> whole = torch.func.grad(lambda p: info_nce(p, embed(p, x), gradaccum.Rows(0, 16, 16, (16,))))(p)
+        >>> everything = gradaccum.Rows(start=0, stop=16, total=16, per_rank=(16,))
+        >>> whole = torch.func.grad(lambda p: info_nce(p, embed(p, x), everything))(p)
         >>> torch.allclose(grads["w"], whole["w"], rtol=1e-12, atol=1e-14)
         True
     """
-    for arg, fn, shape in (("embed", embed, "embed(params, micro_batch) -> reps"),
-                           ("loss", loss, "loss(params, reps, rows) -> share")):
+    for arg, fn, shape in (
+        ("embed", embed, "embed(params, micro_batch) -> reps"),
+        ("loss", loss, "loss(params, reps, rows) -> share"),
+    ):
         if not callable(fn):
             raise TypeError(
-                f"coupled(embed, loss, n): {arg} must be a function {shape}, got "
-                f"{describe(fn)}."
+                f"coupled(embed, loss, n): {arg} must be a function {shape}, got {describe(fn)}."
             )
     where = f"coupled({_name(embed)}, {_name(loss)}, n={n!r})"
     check_n(where, n)
@@ -170,8 +172,11 @@ def coupled(
         rows = Rows(start, start + mine, total, tuple(per_rank), exchange.rank if exchange else 0)
         # The global window's representations, in rank order.
         if exchange is not None:
-            glob = _unpack(leaves, exchange.gather(_pack(leaves, local), per_rank,
-                                                   _index(per_rank, local[0].device)), total)
+            glob = _unpack(
+                leaves,
+                exchange.gather(_pack(leaves, local), per_rank, _index(per_rank, local[0].device)),
+                total,
+            )
         else:
             glob = local
         share, rep_grads, direct, failure = _loss(call, loss, full, leaves, spec, glob, rows)
@@ -256,7 +261,7 @@ def _first(
         per_rank = [rows]
     if failure is not None:
         raise failure
-    if leaves is None:  # a rank with no rows: the layout of another rank's is not known here
+    if leaves is None:  # no rows, in one process (with a sync, agree raised on every rank)
         raise GradAccumError(
             f"{call}: this rank has no rows in this window; coupled() needs at least one row "
             f"per rank (the loss's share of a rank with no rows is not defined). Give every "
@@ -290,11 +295,14 @@ def _check_reps(
                 f"{call}: embed's output {p} has {got} for micro-batch {j} of {rows} rows; each "
                 f"representation must have one row per example (dim 0 = the micro-batch's rows)."
             )
-    mine = Leaves(tuple(paths), tuple(t.dtype for t in flat), tuple(tuple(t.shape[1:]) for t in flat))
+    mine = Leaves(
+        tuple(paths), tuple(t.dtype for t in flat), tuple(tuple(t.shape[1:]) for t in flat)
+    )
     if leaves is None:
         if not mine.floating:
             raise TypeError(
-                f"{call}: embed returned no floating tensor ({'; '.join(mine.lines()) or 'no leaves'}); "
+                f"{call}: embed returned no floating tensor "
+                f"({'; '.join(mine.lines()) or 'no leaves'}); "
                 f"return the representations to differentiate (e.g. the embeddings) as floating "
                 f"tensors."
             )
@@ -312,8 +320,11 @@ def _pack(leaves: Leaves, local: list[torch.Tensor]) -> list[torch.Tensor]:
     """The local rows as one ``[rows, width]`` tensor per dtype, leaves in order."""
     widths, out = leaves.widths(), []
     for dtype in dict.fromkeys(leaves.dtypes):
-        cols = [local[i].reshape(local[i].shape[0], widths[i])
-                for i, d in enumerate(leaves.dtypes) if d == dtype]
+        cols = [
+            local[i].reshape(local[i].shape[0], widths[i])
+            for i, d in enumerate(leaves.dtypes)
+            if d == dtype
+        ]
         out.append(torch.cat(cols, dim=1) if len(cols) > 1 else cols[0])
     return out
 
@@ -334,7 +345,9 @@ def _unpack(leaves: Leaves, parts: list[torch.Tensor], total: int) -> list[torch
 def _index(per_rank: list[int], device: torch.device) -> torch.Tensor:
     """The padded all-gather's rows that are real rows, in rank order."""
     top = max(per_rank)
-    return torch.cat([torch.arange(r * top, r * top + n) for r, n in enumerate(per_rank)]).to(device)
+    return torch.cat([torch.arange(r * top, r * top + n) for r, n in enumerate(per_rank)]).to(
+        device
+    )
 
 
 def _wide(leaves: Leaves) -> torch.dtype:
@@ -353,15 +366,22 @@ def _loss(
     spec: Any,
     glob: list[torch.Tensor],
     rows: Rows,
-) -> tuple[torch.Tensor, list[torch.Tensor | None], list[tuple[int, torch.Tensor]], Exception | None]:
+) -> tuple[
+    torch.Tensor, list[torch.Tensor | None], list[tuple[int, torch.Tensor]], Exception | None
+]:
     """The loss on the global representations, and its gradient for them and for the params."""
     share = torch.zeros((), dtype=_wide(leaves), device=glob[leaves.floating[0]].device)
     try:
-        reps = [t.detach().requires_grad_() if i in leaves.floating else t
-                for i, t in enumerate(glob)]
+        reps = [
+            t.detach().requires_grad_() if i in leaves.floating else t for i, t in enumerate(glob)
+        ]
         pflat, pspec = _tree.flatten(params)
-        mine = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
-                else t for t in pflat]
+        mine = [
+            t.detach().requires_grad_()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+            for t in pflat
+        ]
         out = loss(_tree.unflatten(pspec, mine), _tree.unflatten(spec, reps), rows)
         if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
             raise TypeError(
@@ -372,10 +392,9 @@ def _loss(
         share = out.reshape(())
         at = [i for i, t in enumerate(mine) if isinstance(t, torch.Tensor) and t.requires_grad]
         targets = [reps[i] for i in leaves.floating] + [mine[i] for i in at]
+        got: tuple[torch.Tensor | None, ...] = (None,) * len(targets)
         if share.requires_grad:
             got = torch.autograd.grad(share, targets, allow_unused=True)
-        else:
-            got = (None,) * len(targets)
         k = len(leaves.floating)
         direct = [(i, g) for i, g in zip(at, got[k:]) if g is not None]
         return share.detach(), list(got[:k]), direct, None

@@ -80,7 +80,7 @@ class Rows:
 
 @dataclass(frozen=True)
 class Leaves:
-    """The representations' leaves: key paths, dtypes, shapes after dim 0, and which are floating."""
+    """The representations' leaves: key paths, dtypes, and shapes after dim 0."""
 
     paths: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
@@ -143,7 +143,15 @@ class Exchange:
                 f"{where}: the ranks are at different windows of this coupled step (window "
                 f"index by rank: {windows}); every rank must call it the same number of times."
             )
-        hashes = [t[2] for t in table if t[0] > 0]
+        empty = [r for r, t in enumerate(table) if t[0] == 0]
+        if empty:
+            raise GradAccumError(
+                f"{where}: rank(s) {empty} have no rows in this window (rows by rank: "
+                f"{[t[0] for t in table]}); a coupled loss needs at least one row on every rank "
+                f"(the share of a rank with no rows is not defined). Give every rank at least one "
+                f"row, e.g. drop the last, short window (drop_last=True)."
+            )
+        hashes = [t[2] for t in table]
         if len(set(hashes)) > 1:
             mine_desc = "; ".join(leaves.lines()) if leaves is not None else "none"
             raise GradAccumError(
@@ -156,7 +164,7 @@ class Exchange:
     def gather(
         self, parts: list[torch.Tensor], per_rank: list[int], index: torch.Tensor
     ) -> list[torch.Tensor]:
-        """Each ``[rows, width]`` part gathered over the ranks: ``[total, width]``, in rank order."""
+        """Each ``[rows, width]`` part gathered over the ranks: ``[total, width]``, rank order."""
         top = max(per_rank)
         out = []
         for part in parts:
@@ -165,7 +173,9 @@ class Exchange:
             padded[: flat.shape[0]] = flat
             full = flat.new_empty(self.world * top, flat.shape[1])
             what = f"the representations ({part.dtype}, all_gather)"
-            self.comm.wait(self.comm.all_gather(full, padded, what, "coupled representations"), what)
+            self.comm.wait(
+                self.comm.all_gather(full, padded, what, "coupled representations"), what
+            )
             rows = full.index_select(0, index)
             out.append(rows.view(torch.bool) if part.dtype == torch.bool else rows)
         return out
@@ -187,7 +197,9 @@ class Exchange:
         send[:, -1] = float(failed)
         out = send.new_empty(top * width + 2)
         what = "the representations' gradient (reduce_scatter)"
-        self.comm.wait(self.comm.reduce_scatter(out, send.reshape(-1), what, "coupled gradient"), what)
+        self.comm.wait(
+            self.comm.reduce_scatter(out, send.reshape(-1), what, "coupled gradient"), what
+        )
         any_failed = self.comm.fetch(out[-1:])[0] > 0
         rows = per_rank[self.rank]
         return out[: rows * width].view(rows, width), out[-2], any_failed

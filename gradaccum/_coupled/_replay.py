@@ -27,7 +27,7 @@ class RandomStates:
 
     @staticmethod
     def _now() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
         return torch.get_rng_state(), cuda
 
     @staticmethod

@@ -103,8 +103,10 @@ def window_stats(
         >>> grads["w"]  # d/dw of mean(x * w) / 3
         tensor(0.5000, dtype=torch.float64)
     """
-    for arg, fn, shape in (("stats", stats, "stats(params, micro_batch) -> tree"),
-                           ("loss", loss, "loss(params, micro_batch, window) -> scalar")):
+    for arg, fn, shape in (
+        ("stats", stats, "stats(params, micro_batch) -> tree"),
+        ("loss", loss, "loss(params, micro_batch, window) -> scalar"),
+    ):
         if not callable(fn):
             raise TypeError(
                 f"window_stats(stats, loss, n): {arg} must be a function {shape}, got "
@@ -148,7 +150,7 @@ def window_stats(
             exchange.agree(rows, failure is not None, layout, index, device)
         if failure is not None:
             raise failure
-        if sums is None:  # no micro-batch on this rank: the others' layout
+        if sums is None or layout is None:  # no micro-batch on this rank, in one process
             raise GradAccumError(
                 f"{call}: this rank has no rows in this window; window_stats() needs at least "
                 f"one row per rank. Give every rank at least one row."
@@ -204,7 +206,10 @@ def _unflat(sums: torch.Tensor, spec: Any, layout: Leaves) -> Any:
     out, at = [], 0
     for dtype, shape, w in zip(layout.dtypes, layout.shapes, layout.widths()):
         v = sums[at : at + w].reshape(shape)
-        out.append(v.round().to(dtype) if not dtype.is_floating_point and dtype != torch.bool
-                   else v.to(dtype))
+        out.append(
+            v.round().to(dtype)
+            if not dtype.is_floating_point and dtype != torch.bool
+            else v.to(dtype)
+        )
         at += w
     return _tree.unflatten(spec, out)
