@@ -23,11 +23,12 @@ from .. import _split, _tree
 from .._autograd import check_no_transform, grad
 from .._core.accumulate import accumulate
 from .._core.protocol import LOCAL, Sync, check_sync
-from .._errors import GradAccumError, describe
+from .._errors import describe
 from .._layout import check_n
 from ..sharding._sharded import Sharded
-from ._exchange import Exchange, Leaves, Rows
+from ._exchange import Exchange, Rows
 from ._replay import KeptBuffers, RandomStates
+from ._window import cache
 
 __all__ = ["coupled"]
 
@@ -164,51 +165,28 @@ def coupled(
         micro = _split.split(call, batch, n, short_ok=exchange is not None)
         full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
         rng = RandomStates()
-        first = _first(call, micro, full, embed, rng, exchange, index)
-        leaves, spec, local, per_rank = first
-        total = sum(per_rank)
-        mine = per_rank[exchange.rank] if exchange is not None else total
-        start = sum(per_rank[: exchange.rank]) if exchange is not None else 0
-        rows = Rows(start, start + mine, total, tuple(per_rank), exchange.rank if exchange else 0)
-        # The global window's representations, in rank order.
-        if exchange is not None:
-            glob = _unpack(
-                leaves,
-                exchange.gather(_pack(leaves, local), per_rank, _index(per_rank, local[0].device)),
-                total,
-            )
-        else:
-            glob = local
-        share, rep_grads, direct, failure = _loss(call, loss, full, leaves, spec, glob, rows)
-        wide = _wide(leaves)
-        flat = _flat_grads(leaves, rep_grads, total, wide, local[0].device)
-        if exchange is not None:
-            flat, value, failed = exchange.scatter(flat, share, failure is not None, per_rank)
-            if failure is not None:
-                raise failure
-            if failed:
-                raise GradAccumError(
-                    f"{call}: another rank failed in the loss (after the representations were "
-                    f"gathered); this rank ({exchange.rank}) stops too. The failing rank raised "
-                    f"the cause."
-                )
-            value = value.to(share.dtype)
-        else:
-            if failure is not None:
-                raise failure
-            value = share.detach()
+        pflat, pspec = _tree.flatten(full)
+        mine = [
+            t.detach().requires_grad_()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+            for t in pflat
+        ]
+        at = [i for i, t in enumerate(mine) if isinstance(t, torch.Tensor) and t.requires_grad]
+        done = cache(
+            call,
+            [(functools.partial(embed, full, mb), r) for mb, r in micro],
+            lambda reps, rows: loss(_tree.unflatten(pspec, mine), reps, rows),
+            [mine[i] for i in at],
+            rng,
+            exchange,
+            index,
+            _device_of(full),
+        )
         # Pass 2: each micro-batch again, with its slice of the representations' gradient.
-        items, at = [], 0
-        widths = leaves.widths()
-        for mb, r in micro:
-            cols, g = 0, []
-            for i in leaves.floating:
-                w = widths[i]
-                g.append(flat[at : at + r, cols : cols + w].reshape(r, *leaves.shapes[i]))
-                cols += w
-            items.append((mb, tuple(g)))
-            at += r
-        ctx.rng, ctx.floating, ctx.direct, ctx.next = rng, leaves.floating, direct, 0
+        items = [(mb, g) for (mb, _), g in zip(micro, done.slices)]
+        direct = [(at[k], g) for k, g in done.direct]
+        ctx.rng, ctx.floating, ctx.direct, ctx.next = rng, done.leaves.floating, direct, 0
         rng.end_of_pass()
         try:
             with KeptBuffers():
@@ -216,7 +194,7 @@ def coupled(
         finally:
             rng.restore()
             ctx.direct = []
-        return grads, value
+        return grads, done.value
 
     return functools.wraps(embed)(step) if not torch.compiler.is_compiling() else step
 
@@ -225,196 +203,8 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _first(
-    call: str,
-    micro: list[tuple[Any, int]],
-    params: Any,
-    embed: Callable[..., Any],
-    rng: RandomStates,
-    exchange: Exchange | None,
-    index: int,
-) -> tuple[Leaves, Any, list[torch.Tensor], list[int]]:
-    """Pass 1: every micro-batch embedded without a graph; the ranks' rows agreed."""
-    leaves: Leaves | None = None
-    spec: Any = None
-    parts: list[list[torch.Tensor]] = []
-    failure: Exception | None = None
-    device = torch.device("cpu")
-    try:
-        with torch.no_grad():
-            for j, (mb, r) in enumerate(micro):
-                rng.capture()
-                out = embed(params, mb)
-                leaves, spec, flat = _check_reps(call, j, out, r, leaves, spec)
-                parts.append(flat)
-        if leaves is not None and leaves.floating:
-            device = parts[0][leaves.floating[0]].device
-        elif leaves is None:
-            device = _device_of(params)
-    except Exception as err:  # joined as failed below, then re-raised
-        failure = err
-        device = _device_of(params)
-    rows = sum(r for _, r in micro) if failure is None else 0
-    if exchange is not None:
-        per_rank = exchange.agree(rows, failure is not None, leaves, index, device)
-    else:
-        per_rank = [rows]
-    if failure is not None:
-        raise failure
-    if leaves is None:  # no rows, in one process (with a sync, agree raised on every rank)
-        raise GradAccumError(
-            f"{call}: this rank has no rows in this window; coupled() needs at least one row "
-            f"per rank (the loss's share of a rank with no rows is not defined). Give every "
-            f"rank at least one row."
-        )
-    local = [torch.cat([p[i] for p in parts]) for i in range(len(leaves.paths))]
-    return leaves, spec, local, per_rank
-
-
 def _device_of(params: Any) -> torch.device:
     for leaf in _tree.flatten(params)[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return torch.device("cpu")
-
-
-def _check_reps(
-    call: str, j: int, out: Any, rows: int, leaves: Leaves | None, spec: Any
-) -> tuple[Leaves, Any, list[torch.Tensor]]:
-    paths, flat, tree = _tree.flatten_with_paths(out)
-    for p, t in zip(paths, flat):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"{call}: embed returned a non-tensor leaf {p} ({describe(t)}) for micro-batch "
-                f"{j}; embed must return a pytree of tensors whose dim 0 is the micro-batch's "
-                f"rows."
-            )
-        if t.dim() == 0 or t.shape[0] != rows:
-            got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows"
-            raise ValueError(
-                f"{call}: embed's output {p} has {got} for micro-batch {j} of {rows} rows; each "
-                f"representation must have one row per example (dim 0 = the micro-batch's rows)."
-            )
-    mine = Leaves(
-        tuple(paths), tuple(t.dtype for t in flat), tuple(tuple(t.shape[1:]) for t in flat)
-    )
-    if leaves is None:
-        if not mine.floating:
-            raise TypeError(
-                f"{call}: embed returned no floating tensor "
-                f"({'; '.join(mine.lines()) or 'no leaves'}); "
-                f"return the representations to differentiate (e.g. the embeddings) as floating "
-                f"tensors."
-            )
-        return mine, tree, [t.detach() for t in flat]
-    if tree != spec or mine != leaves:
-        raise ValueError(
-            f"{call}: embed's output for micro-batch {j} differs from micro-batch 0's: "
-            f"{'; '.join(mine.lines())} against {'; '.join(leaves.lines())}; return the same "
-            f"tree, dtypes and trailing shapes for every micro-batch."
-        )
-    return leaves, spec, [t.detach() for t in flat]
-
-
-def _pack(leaves: Leaves, local: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The local rows as one ``[rows, width]`` tensor per dtype, leaves in order."""
-    widths, out = leaves.widths(), []
-    for dtype in dict.fromkeys(leaves.dtypes):
-        cols = [
-            local[i].reshape(local[i].shape[0], widths[i])
-            for i, d in enumerate(leaves.dtypes)
-            if d == dtype
-        ]
-        out.append(torch.cat(cols, dim=1) if len(cols) > 1 else cols[0])
-    return out
-
-
-def _unpack(leaves: Leaves, parts: list[torch.Tensor], total: int) -> list[torch.Tensor]:
-    """``_pack``'s inverse, for the gathered rows."""
-    widths = leaves.widths()
-    out: list[torch.Tensor] = [torch.empty(0)] * len(widths)
-    for dtype, part in zip(dict.fromkeys(leaves.dtypes), parts):
-        cols = 0
-        for i, d in enumerate(leaves.dtypes):
-            if d == dtype:
-                out[i] = part[:, cols : cols + widths[i]].reshape(total, *leaves.shapes[i])
-                cols += widths[i]
-    return out
-
-
-def _index(per_rank: list[int], device: torch.device) -> torch.Tensor:
-    """The padded all-gather's rows that are real rows, in rank order."""
-    top = max(per_rank)
-    return torch.cat([torch.arange(r * top, r * top + n) for r, n in enumerate(per_rank)]).to(
-        device
-    )
-
-
-def _wide(leaves: Leaves) -> torch.dtype:
-    """The dtype the representations' gradient is summed in: float32 or the widest floating."""
-    dtype = torch.float32
-    for i in leaves.floating:
-        dtype = torch.promote_types(dtype, leaves.dtypes[i])
-    return dtype
-
-
-def _loss(
-    call: str,
-    loss: Callable[..., Any],
-    params: Any,
-    leaves: Leaves,
-    spec: Any,
-    glob: list[torch.Tensor],
-    rows: Rows,
-) -> tuple[
-    torch.Tensor, list[torch.Tensor | None], list[tuple[int, torch.Tensor]], Exception | None
-]:
-    """The loss on the global representations, and its gradient for them and for the params."""
-    share = torch.zeros((), dtype=_wide(leaves), device=glob[leaves.floating[0]].device)
-    try:
-        reps = [
-            t.detach().requires_grad_() if i in leaves.floating else t for i, t in enumerate(glob)
-        ]
-        pflat, pspec = _tree.flatten(params)
-        mine = [
-            t.detach().requires_grad_()
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-            else t
-            for t in pflat
-        ]
-        out = loss(_tree.unflatten(pspec, mine), _tree.unflatten(spec, reps), rows)
-        if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
-            raise TypeError(
-                f"{call}: loss must return this rank's share of the objective as a 0-dim "
-                f"floating tensor, got {describe(out)}; reduce it to a scalar (e.g. a sum over "
-                f"this rank's rows divided by rows.total)."
-            )
-        share = out.reshape(())
-        at = [i for i, t in enumerate(mine) if isinstance(t, torch.Tensor) and t.requires_grad]
-        targets = [reps[i] for i in leaves.floating] + [mine[i] for i in at]
-        got: tuple[torch.Tensor | None, ...] = (None,) * len(targets)
-        if share.requires_grad:
-            got = torch.autograd.grad(share, targets, allow_unused=True)
-        k = len(leaves.floating)
-        direct = [(i, g) for i, g in zip(at, got[k:]) if g is not None]
-        return share.detach(), list(got[:k]), direct, None
-    except Exception as err:  # joined as failed (with a sync), then re-raised
-        return share, [None] * len(leaves.floating), [], err
-
-
-def _flat_grads(
-    leaves: Leaves,
-    grads: list[torch.Tensor | None],
-    total: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """The representations' gradient as one ``[total, width]`` tensor (zeros where unused)."""
-    widths = leaves.widths()
-    cols = []
-    for i, g in zip(leaves.floating, grads):
-        if g is None:
-            cols.append(torch.zeros(total, widths[i], dtype=dtype, device=device))
-        else:
-            cols.append(g.reshape(total, widths[i]).to(dtype))
-    return torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
