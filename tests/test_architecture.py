@@ -27,7 +27,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_core"}),
     ("syncs", {"sync", "sharding"}),
     ("checkpoints", {"checkpoint"}),
-    ("extras", {"_coupled", "_module", "boundary", "compression", "privacy", "streaming", "testing"}),
+    (
+        "extras",
+        {"_coupled", "_module", "boundary", "compression", "privacy", "streaming", "testing"},
+    ),
     ("loop", {"loop"}),
     ("public", {"__init__"}),
 ]

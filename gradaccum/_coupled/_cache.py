@@ -130,7 +130,7 @@ def coupled(
         ...     sim = sim - 1e9 * torch.eye(len(z), dtype=z.dtype)[rows.local]  # no self-match
         ...     target = rows.arange() ^ 1
         ...     return torch.nn.functional.cross_entropy(sim, target, reduction="sum") / rows.total
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> p = {"w": torch.randn(8, 4, dtype=torch.float64)}
         >>> x = torch.randn(16, 8, dtype=torch.float64)
         >>> grads, value = gradaccum.coupled(embed, info_nce, n=4)(p, x)

@@ -30,6 +30,7 @@ class Cached:
         leaves: The representations' leaves (their floating ones are differentiated).
         rows: Where this rank's rows sit in the global window.
         value: The objective: the sum over the ranks of their shares (0-dim, detached).
+        share: This rank's share of it.
         slices: Per micro-batch, the gradient of the objective for each floating leaf of its
             representations (summed over every rank's share).
         direct: ``(k, grad)`` for each of the ``targets`` the loss used directly (this rank's
@@ -39,6 +40,7 @@ class Cached:
     leaves: Leaves
     rows: Rows
     value: torch.Tensor
+    share: torch.Tensor
     slices: list[tuple[torch.Tensor, ...]]
     direct: list[tuple[int, torch.Tensor]]
 
@@ -96,7 +98,7 @@ def cache(
             cols += widths[i]
         slices.append(tuple(g))
         at += r
-    return Cached(leaves, rows, value, slices, direct)
+    return Cached(leaves, rows, value, share, slices, direct)
 
 
 # -- pass 1 --------------------------------------------------------------------------------------

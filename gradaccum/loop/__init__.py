@@ -8,6 +8,7 @@ mid-window included; [`progress()`][gradaccum.loop.progress] is a tqdm bar of th
 See the page "A whole training loop" (docs/loop.md).
 """
 
+from ._coupled import Coupled as Coupled
 from ._data import Windows as Windows
 from ._plan import DataWindow as DataWindow
 from ._progress import Progress as Progress
@@ -19,6 +20,7 @@ from ._step import StepStats as StepStats
 from ._windows import windows as windows
 
 __all__ = [
+    "Coupled",
     "DataWindow",
     "Progress",
     "Step",

@@ -137,6 +137,14 @@ def _data_position(where: str, step: Step, data: Windows[Any]) -> dict[str, Any]
         done = closed or (current is not None and current._len is not None and current._left == 0)
         if done:
             return {**d, "closed": True}
+    if getattr(step, "_coupled", None) is not None:
+        raise ValueError(
+            f"{where}: the step's loss is coupled ({step._coupled!r}): it takes a window whole "
+            f"(step.add_window), and the data is at window {dw} with {taken} micro-batch(es) "
+            f"taken while the step has {sm} added; a save here would lose them. Save before "
+            f"the window's first micro-batch is taken, after step.add_window(window), or after "
+            f"step.apply()."
+        )
     raise ValueError(
         f"{where}: the step is at window {sw} with {sm} micro-batch(es) added, but the data at "
         f"window {dw} with {taken} taken; save between step.add(batch) calls, or after "

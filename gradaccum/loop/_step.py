@@ -43,7 +43,9 @@ from .._core.protocol import Window, check_sync
 from .._core.state import AccumState
 from .._errors import GradAccumError, describe
 from ..boundary import clip_by_global_norm
+from ._coupled import Coupled, add_window, join_failed
 from ._data import Windows
+from ._plan import DataWindow
 from ._source import run_token
 from ._state import kind, optimizer_params, prepare
 
@@ -174,6 +176,10 @@ class Step:
         model: The module to train, not wrapped in ``DistributedDataParallel`` (the sync does
             what DDP would). Its trainable parameters are those with ``requires_grad``.
         loss: ``loss(model, batch)``: the micro-batch's loss from a forward of ``model``.
+            Or a [`Coupled`][gradaccum.loop.Coupled] loss (in-batch negatives: a loss that
+            compares the window's examples with each other): the step then takes whole
+            windows, [`add_window(window)`][gradaccum.loop.Step.add_window], and its gradient
+            is that of the loss over the global window, exactly.
             Under ``reduction="mean"``, the mean over the micro-batch's rows (see above; or
             return ``(loss, rows)``); under ``"sum"``, the sum; under ``"count"``,
             ``(summed_loss, count)``, e.g. the summed token loss and the number of tokens: the
@@ -191,8 +197,9 @@ class Step:
         clip: Clip the window's gradient to this global 2-norm
             ([`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]); ``None``: no
             clipping.
-        reduction: ``"mean"``, ``"sum"`` or ``"count"``, as for
-            [`Accumulator`][gradaccum.Accumulator].
+        reduction: ``"mean"`` (the default), ``"sum"`` or ``"count"``, as for
+            [`Accumulator`][gradaccum.Accumulator]. A ``Coupled`` loss's shares are summed
+            (``"sum"``, its default and only choice).
         sync: ``None`` (one process, or ``data``'s sync), [`all_reduce()`][gradaccum.all_reduce],
             a [`custom_reduce()`][gradaccum.custom_reduce] (compression, DP noise), or your own
             sync whose boundary returns whole gradients. Not a
@@ -234,26 +241,36 @@ class Step:
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: Callable[[torch.nn.Module, Any], Any],
+        loss: Callable[[torch.nn.Module, Any], Any] | Coupled,
         optimizer: torch.optim.Optimizer,
         *,
         data: Any = None,
         scheduler: Any = None,
         clip: float | None = None,
-        reduction: _reduce.Reduction = "mean",
+        reduction: _reduce.Reduction | None = None,
         sync: Any = None,
         accum_dtype: torch.dtype | None = None,
     ) -> None:
         where = "Step(model, loss, optimizer, ...)"
+        coupled = loss if isinstance(loss, Coupled) else None
+        if coupled is not None and reduction not in (None, "sum"):
+            raise ValueError(
+                f"{where}: a Coupled loss returns this rank's share of the window's objective, "
+                f"and the shares are summed: reduction must be left out (or 'sum'), got "
+                f"reduction={reduction!r}; normalise inside the loss (divide by rows.total)."
+            )
+        if reduction is None:
+            reduction = "sum" if coupled is not None else "mean"
         if not isinstance(model, torch.nn.Module) or hasattr(model, "no_sync"):
             raise TypeError(
                 f"{where}: model must be a torch.nn.Module that is not wrapped in "
                 f"DistributedDataParallel, got {describe(model)}; pass the module itself "
                 f"(model.module of a DDP model) and sync=gradaccum.all_reduce()."
             )
-        if not callable(loss):
+        if not callable(loss) and coupled is None:
             raise TypeError(
-                f"{where}: loss must be a function loss(model, batch), got {describe(loss)}; "
+                f"{where}: loss must be a function loss(model, batch) (or a "
+                f"gradaccum.loop.Coupled), got {describe(loss)}; "
                 f"pass e.g. lambda model, batch: F.mse_loss(model(batch[0]), batch[1])."
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -301,7 +318,10 @@ class Step:
                 f"sync=gradaccum.all_reduce()."
             )
         self.model = model
-        self.loss = loss
+        self.loss: Any = loss  # a Coupled's pass 2 swaps in its surrogate (loop/_coupled.py)
+        self._coupled = coupled
+        self._feeding = False  # add_window's pass 2 is adding its micro-batches
+        self._joined = False  # a data error joined add_window's agreement, flagged as failed
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.clip = clip
@@ -490,6 +510,12 @@ class Step:
                 or unfrozen in the middle of the window.
         """
         where = "Step.add(batch)"
+        if self._coupled is not None and not self._feeding:
+            raise TypeError(
+                f"{where}: this step's loss is {self._coupled!r}, which needs the whole window at "
+                f"once (its examples are compared with each other); pass the window's "
+                f"micro-batches together: step.add_window(window), then step.apply()."
+            )
         if self._since is None:
             self._since = time.perf_counter()
         began = False
@@ -540,6 +566,41 @@ class Step:
                 self._drop()
             raise
 
+    def add_window(self, batches: Any) -> None:
+        """Add a whole window at once, for a [`Coupled`][gradaccum.loop.Coupled] loss.
+
+        Both passes of [`coupled()`][gradaccum.coupled] over ``batches`` (an iterable of
+        micro-batches: a [`DataWindow`][gradaccum.loop.DataWindow], or a list): every
+        micro-batch embedded without a graph, the representations of every rank gathered, the
+        loss once on all of them, then each micro-batch again into the window's sums. Then
+        call [`apply()`][gradaccum.loop.Step.apply] as usual; ``StepStats.loss`` is the
+        objective (the sum of the ranks' shares), ``StepStats.items`` the window's rows.
+
+        Raises:
+            TypeError: The step's loss is not a ``Coupled`` (use ``add``), or the
+                representations or the loss are of the wrong kind (see
+                [`coupled()`][gradaccum.coupled]).
+            ValueError: Micro-batches were added to this window already.
+            GradAccumError: Under a sync: another rank failed in its first pass or its loss
+                (every rank raises together, before any gradient is added), the ranks disagree
+                on the representations or the window, or a rank has no rows.
+        """
+        where = "Step.add_window(batches)"
+        if self._coupled is None:
+            raise TypeError(
+                f"{where}: this step's loss is a per-micro-batch loss; add the window's "
+                f"micro-batches one by one with step.add(batch), or build the step with "
+                f"loss=gradaccum.loop.Coupled(embed, loss) for a loss that couples them."
+            )
+        if self.micro_step:
+            if isinstance(batches, DataWindow) and batches.taken == self.micro_step:
+                return  # resumed from a save after add_window: the window's sums are loaded
+            raise ValueError(
+                f"{where}: window {self.window} already has {self.micro_step} micro-batch(es); "
+                f"add_window takes a whole window once: call step.apply() first."
+            )
+        add_window(self, batches)
+
     def _abort(self) -> None:
         """Join the window's boundary flagged as failed (the other ranks raise in ``apply()``)."""
         state = self._with_saves(self.state, self._saves)
@@ -555,7 +616,9 @@ class Step:
         Under a sync this rank joins the window's boundary flagged as failed (the other ranks
         raise in ``apply()``); ``data`` re-raises ``err`` after.
         """
-        if self.sync is not None:
+        if self.sync is not None and self._coupled is not None:
+            join_failed(self, err)  # the other ranks are in add_window's first collective
+        elif self.sync is not None:
             self._abort()
 
     # -- the fast path: the backward into the window's sums --------------------------------------

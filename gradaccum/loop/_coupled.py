@@ -1,0 +1,170 @@
+"""A coupled loss in the loop: ``Coupled``, and ``Step.add_window``'s two passes over a window.
+
+A loss that ties a window's examples together (in-batch negatives) needs the whole window at
+once, where [`Step.add()`][gradaccum.loop.Step.add] takes one micro-batch. With a
+[`Coupled`][gradaccum.loop.Coupled] loss the step takes the window whole
+([`Step.add_window()`][gradaccum.loop.Step.add_window]): pass 1 and the exchange
+(``_coupled/_window.py``, as for [`coupled()`][gradaccum.coupled]), then pass 2 through the
+step's own ``add``, one micro-batch at a time, with a surrogate loss whose backward is the
+micro-batch's slice of the representations' gradient and whose value is this rank's share of
+the objective (on the first micro-batch; 0 on the others), so that ``StepStats.loss`` is the
+objective. The step's window is then what ``add`` leaves it: saves after ``add_window`` and
+before ``apply()`` are exact; a save in the middle of collecting a window is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import _tree
+from .._coupled._exchange import Exchange, Rows
+from .._coupled._replay import KeptBuffers, RandomStates
+from .._coupled._window import cache
+from .._errors import describe
+
+__all__ = ["Coupled", "add_window", "join_failed"]
+
+
+class Coupled:
+    """A loss that couples a window's examples, for [`loop.Step`][gradaccum.loop.Step].
+
+    Pass it as the step's ``loss``; the step then takes whole windows
+    ([`Step.add_window(window)`][gradaccum.loop.Step.add_window]) and computes the gradient of
+    the loss over the global window exactly, as [`coupled()`][gradaccum.coupled] does for
+    functional params: every micro-batch embedded without a graph, every rank's
+    representations gathered, the loss once, then each micro-batch again with its slice of the
+    loss's gradient (dropout masks replayed, BatchNorm statistics kept from the first pass).
+
+    Args:
+        embed: ``embed(model, micro_batch) -> reps``: a pytree of tensors, dim 0 the
+            micro-batch's rows (floating leaves are differentiated; others, such as labels, are
+            passed to ``loss`` as they are).
+        loss: ``loss(model, reps, rows) -> share``: ``reps`` holds every rank's rows (rank
+            order), ``rows`` ([`Rows`][gradaccum.Rows]) says which are this rank's; it returns
+            this rank's share of the objective (the shares are summed over the ranks). It may
+            use the model's parameters directly (a learned temperature).
+
+    Raises:
+        TypeError: ``embed`` or ``loss`` is not callable.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from gradaccum.loop import Coupled, Step
+        >>> model = torch.nn.Linear(4, 3).double()
+        >>> def embed(model, x):
+        ...     return torch.nn.functional.normalize(model(x), dim=-1)
+        >>> def info_nce(model, z, rows):  # rows 2i and 2i+1 are a positive pair
+        ...     sim = z[rows.local] @ z.T / 0.1
+        ...     sim = sim - 1e9 * torch.eye(len(z), dtype=z.dtype)[rows.local]
+        ...     nll = torch.nn.functional.cross_entropy(sim, rows.arange() ^ 1, reduction="sum")
+        ...     return nll / rows.total
+        >>> step = Step(model, Coupled(embed, info_nce), torch.optim.SGD(model.parameters(), 0.1))
+        >>> x = torch.randn(8, 4, dtype=torch.float64)
+        >>> step.add_window([x[:3], x[3:6], x[6:]])  # a window of 3 micro-batches
+        >>> stats = step.apply()
+        >>> stats.micro_batches, stats.items
+        (3, 8.0)
+    """
+
+    def __init__(
+        self,
+        embed: Callable[[torch.nn.Module, Any], Any],
+        loss: Callable[[torch.nn.Module, Any, Rows], torch.Tensor],
+    ) -> None:
+        for arg, fn, shape in (
+            ("embed", embed, "embed(model, micro_batch) -> reps"),
+            ("loss", loss, "loss(model, reps, rows) -> share"),
+        ):
+            if not callable(fn):
+                raise TypeError(
+                    f"Coupled(embed, loss): {arg} must be a function {shape}, got {describe(fn)}."
+                )
+        self.embed = embed
+        self.loss = loss
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss, "__name__", type(self.loss).__name__)
+        return f"Coupled({getattr(self.embed, '__name__', 'embed')}, {name})"
+
+
+def _exchange(where: str, step: Any) -> Exchange | None:
+    sync = step.sync
+    return Exchange(where, sync.data_group(), sync.timeout) if sync is not None else None
+
+
+def join_failed(step: Any, err: BaseException) -> None:
+    """Reading the window's data raised ``err`` on this rank: join pass 1's agreement, failed."""
+    exchange = _exchange("Step.add_window(batches)", step)
+    if exchange is not None:
+        device = next(iter(step.model.parameters())).device
+        try:
+            exchange.agree(0, True, None, step.window, device)
+        finally:
+            step._joined = True
+
+
+def add_window(step: Any, batches: Iterable[Any]) -> None:
+    """``Step.add_window``: both passes over the window ``batches`` (see the module notes)."""
+    where = "Step.add_window(batches)"
+    coupled: Coupled = step._coupled
+    model = step.model
+    step._joined = False
+    forwards: list[tuple[Callable[[], Any], int | None]]
+    try:
+        taken = list(batches)
+        forwards = [(functools.partial(coupled.embed, model, mb), None) for mb in taken]
+    except Exception as err:
+        if step._joined:  # the data's callback joined pass 1's agreement flagged already
+            raise
+        forwards = [(functools.partial(_reraise, err), None)]
+        taken = []
+    step._follow(where)
+    targets = [p for p in model.parameters() if p.requires_grad]
+    rng = RandomStates()
+    device = next(iter(model.parameters())).device
+    done = cache(
+        where,
+        forwards,
+        lambda reps, rows: coupled.loss(model, reps, rows),
+        targets,
+        rng,
+        _exchange(where, step),
+        step.window,
+        device,
+    )
+    floating = done.leaves.floating
+    direct = [(targets[k], g) for k, g in done.direct]
+    at = [0]
+
+    def surrogate(model: torch.nn.Module, item: Any) -> tuple[torch.Tensor, int]:
+        mb, grads = item
+        j, at[0] = at[0], at[0] + 1
+        rng.replay(j)
+        leaves = _tree.flatten(coupled.embed(model, mb))[0]
+        total = sum((leaves[i] * g).sum() for i, g in zip(floating, grads))
+        if j == 0:
+            for p, d in direct:  # the loss's own use of the parameters, added once
+                total = total + (p * d).sum()
+        value: torch.Tensor = total - total.detach()
+        if j == 0:
+            value = value + done.share
+        return value, grads[0].shape[0]
+
+    rng.end_of_pass()
+    loss, step.loss = step.loss, surrogate
+    step._feeding = True
+    try:
+        with KeptBuffers():
+            for mb, grads in zip(taken, done.slices):
+                step.add((mb, grads))
+    finally:
+        step.loss, step._feeding = loss, False
+        rng.restore()
+
+
+def _reraise(err: BaseException) -> Any:
+    raise err

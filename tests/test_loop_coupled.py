@@ -1,0 +1,263 @@
+"""loop.Step with a Coupled loss: whole windows, exact against plain PyTorch, saves, faults.
+
+The reference is the plain PyTorch loop over the same windows, in float64: each micro-batch's
+forward in order (the same dropout masks, the same BatchNorm updates), the loss once on the
+window's representations, ``backward()``, ``optimizer.step()``, ``zero_grad``. Across ranks the
+reference runs every rank's micro-batches in one process.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradaccum
+from gradaccum import Rows
+from gradaccum.loop import Coupled, Step, load, save, windows
+from tests.dist import run, values
+
+TOL = 1e-12
+DT = torch.float64
+
+
+class Encoder(nn.Module):
+    def __init__(self, drop: float = 0.0, bn: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8) if bn else nn.Identity()
+        self.drop = nn.Dropout(drop)
+        self.out = nn.Linear(8, 4)
+        self.unused = nn.Linear(2, 2)  # reached by no micro-batch: keeps .grad None
+        self.log_scale = nn.Parameter(torch.tensor(1.0))
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.out(self.drop(torch.tanh(self.bn(self.lin(x))))), dim=-1)
+
+
+def embed(model: Encoder, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"q": model(mb["q"]), "d": model(mb["d"])}
+
+
+def clip_loss(model: Encoder, reps: dict[str, torch.Tensor], rows: Rows) -> torch.Tensor:
+    scale = model.log_scale.exp()
+    q, d = reps["q"], reps["d"]
+    lq = F.cross_entropy(scale * q[rows.local] @ d.T, rows.arange(), reduction="sum")
+    ld = F.cross_entropy(scale * d[rows.local] @ q.T, rows.arange(), reduction="sum")
+    return (lq + ld) / (2 * rows.total)
+
+
+def _data(world: int, windows_: int = 3) -> list[list[list[dict[str, torch.Tensor]]]]:
+    """``[window][rank]``: each rank's micro-batches of the window (uneven sizes)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(windows_):
+        per_rank = []
+        for r in range(world):
+            mbs = []
+            for size in (2 + r, 3, 2):
+                q = torch.randn(size, 6, generator=g, dtype=DT)
+                mbs.append({"q": q, "d": q + 0.3 * torch.randn(size, 6, generator=g, dtype=DT)})
+            per_rank.append(mbs)
+        out.append(per_rank)
+    return out
+
+
+def _reference(
+    world: int, data: Any, drop: float, bn: bool, clip: float | None
+) -> tuple[Encoder, list[float]]:
+    model = Encoder(drop, bn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    torch.manual_seed(7)
+    for window in data:
+        reps = [embed(model, mb) for r in range(world) for mb in window[r]]
+        glob = {k: torch.cat([x[k] for x in reps]) for k in ("q", "d")}
+        per_rank = tuple(sum(mb["q"].shape[0] for mb in window[r]) for r in range(world))
+        total = 0
+        for r in range(world):
+            s = sum(per_rank[:r])
+            total = total + clip_loss(
+                model, glob, Rows(s, s + per_rank[r], sum(per_rank), per_rank, r)
+            )
+        total.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total.detach()))
+    return model, losses
+
+
+def _train(
+    rank: int, world: int, data: Any, drop: float, bn: bool, clip: float | None, sync: Any
+) -> tuple[Encoder, list[float]]:
+    model = Encoder(drop, bn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    step = Step(model, Coupled(embed, clip_loss), opt, clip=clip, sync=sync)
+    losses = []
+    torch.manual_seed(7)
+    for window in data:
+        step.add_window(window[rank])
+        losses.append(step.apply().loss)
+        assert model.unused.weight.grad is None
+    return model, losses
+
+
+def _compare(
+    got: tuple[Encoder, list[float]], want: tuple[Encoder, list[float]], buffers: bool = True
+) -> float:
+    """The largest difference of the parameters (and buffers), and of the window losses."""
+    a_, b_ = got[0], want[0]
+    pairs = zip(a_.state_dict().values(), b_.state_dict().values())
+    if not buffers:  # each rank's BatchNorm counts its own rows, as under DDP without SyncBN
+        pairs = zip(a_.parameters(), b_.parameters())
+    params = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    return max(params, *(abs(a - b) for a, b in zip(got[1], want[1])))
+
+
+@pytest.mark.parametrize(("drop", "bn", "clip"), [(0.0, False, None), (0.3, True, 0.05)])
+def test_one_process_matches_plain_pytorch(drop: float, bn: bool, clip: float | None) -> None:
+    data = _data(1)
+    got = _train(0, 1, data, drop, bn, clip, None)
+    assert _compare(got, _reference(1, data, drop, bn, clip)) < TOL
+    # The test can fail: the model moved.
+    assert float((got[0].lin.weight - Encoder().lin.weight).detach().abs().max()) > 1e-3
+
+
+def _ranks(rank: int, world: int) -> float:
+    data = _data(world)
+    got = _train(rank, world, data, 0.0, True, 0.05, gradaccum.all_reduce())
+    return _compare(got, _reference(world, data, 0.0, True, 0.05), buffers=False)
+
+
+@pytest.mark.distributed
+def test_two_ranks_match_plain_pytorch() -> None:
+    assert all(d < TOL for d in values(run(_ranks, timeout=120)))
+
+
+def test_a_save_after_add_window_resumes_exactly(tmp_path: Any) -> None:
+    data = [w[0] for w in _data(1)]
+    flat = [mb for w in data for mb in w]
+
+    def job(stop: int | None = None, resume: bool = False) -> Any:
+        model = Encoder(0.3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        wins = windows(flat, 3)
+        step = Step(model, Coupled(embed, clip_loss), opt, data=wins)
+        torch.manual_seed(7)
+        if resume:
+            load(tmp_path, step, data=wins)
+        for window in wins:
+            step.add_window(window)
+            if window.index == stop:
+                save(tmp_path, step)
+                return None
+            step.apply()
+        return model.state_dict()
+
+    whole = job()
+    assert job(stop=1) is None
+    resumed = job(resume=True)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_save_while_a_window_is_collected_is_refused(tmp_path: Any) -> None:
+    model = Encoder()
+    wins = windows([mb for w in _data(1) for mb in w[0]], 3)
+    step = Step(
+        model, Coupled(embed, clip_loss), torch.optim.SGD(model.parameters(), 0.1), data=wins
+    )
+    window = next(iter(wins))
+    taken = [next(iter(window))]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "gradaccum.loop.save(path, step, data=...): the step's loss is coupled "
+            "(Coupled(embed, clip_loss)): it takes a window whole (step.add_window), and the data is at window 0 with 1 "
+            "micro-batch(es) taken while the step has 0 added; a save here would lose them."
+        ),
+    ):
+        save(tmp_path, step)
+    assert taken
+
+
+def test_misuse_is_refused() -> None:
+    model = Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=re.escape("Coupled(embed, loss): loss must be a function")):
+        Coupled(embed, None)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "a Coupled loss returns this rank's share of the window's objective, and the shares "
+            "are summed: reduction must be left out (or 'sum'), got reduction='mean'"
+        ),
+    ):
+        Step(model, Coupled(embed, clip_loss), opt, reduction="mean")
+    step = Step(model, Coupled(embed, clip_loss), opt)
+    mbs = _data(1)[0][0]
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "Step.add(batch): this step's loss is Coupled(embed, clip_loss), which needs the whole "
+            "window at once"
+        ),
+    ):
+        step.add(mbs[0])
+    step.add_window(mbs)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Step.add_window(batches): window 0 already has 3 micro-batch(es); add_window takes a "
+            "whole window once: call step.apply() first."
+        ),
+    ):
+        step.add_window(mbs)
+    step.apply()
+    plain = Step(model, lambda m, mb: m(mb["q"]).sum(), opt)
+    with pytest.raises(
+        TypeError,
+        match=re.escape("Step.add_window(batches): this step's loss is a per-micro-batch loss"),
+    ):
+        plain.add_window(mbs)
+
+
+def _data_fault(rank: int, world: int) -> list[str]:
+    model = Encoder()
+    flat = [mb for w in _data(1) for mb in w[0]]
+
+    def source() -> Any:
+        for i, mb in enumerate(flat):
+            if rank == 1 and i == 4:
+                raise OSError("disk gone on rank 1")
+            yield mb
+
+    sync = gradaccum.all_reduce()
+    wins = windows(source(), 3, sync=sync)
+    step = Step(
+        model, Coupled(embed, clip_loss), torch.optim.SGD(model.parameters(), 0.1), data=wins
+    )
+    seen = []
+    try:
+        for window in wins:
+            step.add_window(window)
+            step.apply()
+            seen.append("ok")
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        seen.append(f"{type(err).__name__}: {err}")
+    return seen
+
+
+@pytest.mark.distributed
+def test_a_data_error_on_one_rank_ends_in_an_error_on_every_rank() -> None:
+    r0, r1 = values(run(_data_fault, timeout=120))
+    assert r1 == ["ok", "OSError: disk gone on rank 1"], r1
+    assert r0[0] == "ok"
+    assert r0[1].startswith("GradAccumError: Step.add_window(batches): rank(s) [1] failed"), r0
