@@ -180,8 +180,9 @@ def test_a_save_while_a_window_is_collected_is_refused(tmp_path: Any) -> None:
         ValueError,
         match=re.escape(
             "gradaccum.loop.save(path, step, data=...): the step's loss is coupled "
-            "(Coupled(embed, clip_loss)): it takes a window whole (step.add_window), and the data is at window 0 with 1 "
-            "micro-batch(es) taken while the step has 0 added; a save here would lose them."
+            "(Coupled(embed, clip_loss)): it takes a window whole (step.add_window), and the data "
+            "is at window 0 with 1 micro-batch(es) taken while the step has 0 added; a save "
+            "here would lose them."
         ),
     ):
         save(tmp_path, step)
