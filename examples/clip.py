@@ -24,7 +24,7 @@ the in-batch negatives of each micro-batch only, giving another one); then train
 side with AdamW and compares the parameters. It exits with status 1 if a difference exceeds its
 tolerance (in float64 1e-12 for the gradient and 1e-9 for the parameters, 1e-4 in float32).
 
-Run it (a few seconds on 2 CPU cores)::
+Run it (5 to 15 s on 2 CPU cores)::
 
     python examples/clip.py
     torchrun --standalone --nproc_per_node 2 examples/clip.py --dtype float64 --batch 45 -n 3

@@ -30,7 +30,7 @@ float32); with ``--naive``, how far plain accumulation is from the whole-batch r
 curves are the objective on the global batch (for the naive run too, evaluated on the global
 batch before each step).
 
-Run it (a few seconds on 2 CPU cores)::
+Run it (5 to 15 s on 2 CPU cores)::
 
     python examples/contrastive.py
     python examples/contrastive.py --dtype float64 --naive
