@@ -349,3 +349,62 @@ def test_reliability_page_restarts_from_its_checkpoints(tmp_path: Path) -> None:
     assert "rank 1: trained to micro-step 4000 from step 0" in first
     second = run_torchrun("pages/reliability.py", cwd=tmp_path)
     assert "rank 1: trained to micro-step 4000 from step 4000" in second
+
+
+@pytest.mark.parametrize(
+    ("ranks", "args"),
+    [
+        (1, ("--batch", "64", "-n", "4")),
+        (2, ("--batch", "45", "-n", "3")),  # 23 and 22 pairs, ragged micro-batches
+    ],
+    ids=["1-process", "2-ranks-unequal"],
+)
+def test_contrastive(ranks: int, args: tuple[str, ...], tmp_path: Path) -> None:
+    pytest.importorskip("tqdm", reason="examples/contrastive.py needs the [examples] extra")
+    pytest.importorskip("matplotlib", reason="--plot needs the [plot] extra")
+    png = tmp_path / "loss.png"
+    args = ("--dtype", "float64", "--steps", "8", "--naive", "--plot", str(png), *args)
+    run = run_example if ranks == 1 else run_torchrun
+    stdout = run("contrastive.py", *args)
+    assert stdout.count(f"wrote {png}") == 1  # rank 0 only
+    data = png_check(png)["Data"]  # the curves it was drawn from, as JSON
+    assert '"whole batch": [' in data
+    assert '"plain accumulation (per-micro-batch negatives)": [' in data
+    assert f"{ranks} process(es)" in stdout
+    if ranks == 2:
+        assert "global batch 45 pairs = [23, 22] per rank" in stdout
+    assert max_difference(stdout, "max gradient difference at step 1:") <= 1e-12
+    assert max_difference(stdout, "max loss-curve difference:") <= 1e-10
+    assert max_difference(stdout) <= 1e-10
+    naive = re.search(r"gradient at step 1 off by (\S+), loss curve by (\S+),", stdout)
+    assert naive, stdout
+    assert float(naive.group(1)) > 1e-3  # per-micro-batch negatives: another objective
+    assert stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "args"),
+    [
+        (1, ("--batch", "64", "-n", "4")),
+        (2, ("--batch", "45", "-n", "3")),  # 23 and 22 pairs, ragged micro-batches
+    ],
+    ids=["1-process", "2-ranks-unequal"],
+)
+def test_clip(ranks: int, args: tuple[str, ...]) -> None:
+    pytest.importorskip("tqdm", reason="examples/clip.py needs the [examples] extra")
+    stdout = (run_example if ranks == 1 else run_torchrun)(
+        "clip.py", "--dtype", "float64", "--steps", "8", *args
+    )
+    assert f"{ranks} process(es)" in stdout
+    if ranks == 2:
+        assert "global batch 45 pairs = [23, 22] per rank" in stdout
+    scale = re.search(r"gradient of logit_scale .* difference (\S+)$", stdout, re.M)
+    assert scale, stdout
+    assert float(scale.group(1)) <= 1e-12  # the parameter that only the loss uses
+    assert max_difference(stdout, "max gradient difference vs the whole batch:") <= 1e-12
+    naive = re.search(r"is another gradient: max difference (\S+)$", stdout, re.M)
+    assert naive, stdout
+    assert float(naive.group(1)) > 1e-3
+    assert max_difference(stdout, "max loss-curve difference:") <= 1e-10
+    assert max_difference(stdout) <= 1e-10
+    assert stdout.rstrip().endswith("OK")
