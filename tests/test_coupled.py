@@ -529,3 +529,71 @@ def test_under_a_torch_func_transform_it_is_refused() -> None:
         torch.func.grad(lambda s: step({**_params(), "log_scale": s}, batch)[1])(
             torch.tensor(1.0, dtype=DT)
         )
+
+
+# -- an FSDP2 model ----------------------------------------------------------------------------------
+
+
+def _fsdp2(rank: int, world: int) -> dict[str, Any]:
+    """A fully_shard model: both passes gather its units (counted); the gradients are exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+    def embed_with(model: nn.Module) -> Callable[..., Any]:
+        def embed(p: Any, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            q = gradaccum.call_module(model, p, {}, mb["q"])[0]
+            d = gradaccum.call_module(model, p, {}, mb["d"])[0]
+            return {"q": F.normalize(q, dim=-1), "d": F.normalize(d, dim=-1)}
+
+        return embed
+
+    def loss(p: Any, reps: dict[str, torch.Tensor], rows: Rows) -> torch.Tensor:
+        sim = 5.0 * reps["q"][rows.local] @ reps["d"].T
+        return F.cross_entropy(sim, rows.arange(), reduction="sum") / rows.total
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = build()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = gradaccum.shard(model)
+    step = gradaccum.coupled(embed_with(model), loss, 3, sync=gradaccum.reduce_scatter(sharded))
+    with gradaccum.sync.record_collectives() as log:
+        grads, value = step(sharded, _mine(_global(world), rank))
+    sharded.write_grads(grads)
+    ref = build()
+    want, total = _reference(
+        embed_with(ref),
+        loss,
+        dict(ref.named_parameters()),
+        world,
+        lambda r: _split_sizes(_rows_of(r), 3),
+    )
+    diffs = {
+        k: float((p.grad.full_tensor() - want[k.replace("_fsdp_wrapped_module.", "")]).abs().max())
+        for k, p in model.named_parameters()
+    }
+    return {
+        "diff": max(*diffs.values(), abs(float(value - total))),
+        "log": [(c.kind, c.purpose) for c in log],
+    }
+
+
+@pytest.mark.distributed
+def test_an_fsdp2_model_matches_the_whole_batch() -> None:
+    for out in values(run(_fsdp2, timeout=180)):
+        assert out["diff"] < TOL, out
+        log = out["log"]
+        # Pass 1 gathers each of the 2 units once; pass 2 as the sync does (once per window,
+        # policy "boundary"); the exchange's three; one reduce-scatter per unit.
+        assert log.count(("all_gather", "params")) == 4, log
+        assert log.count(("reduce_scatter", "gradients")) == 2, log
+        assert [c for c in log if c[1].startswith("coupled")] == [
+            ("all_gather", "coupled rows"),
+            ("all_gather", "coupled representations"),
+            ("reduce_scatter", "coupled gradient"),
+        ], log
