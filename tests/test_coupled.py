@@ -531,7 +531,7 @@ def test_under_a_torch_func_transform_it_is_refused() -> None:
         )
 
 
-# -- an FSDP2 model ----------------------------------------------------------------------------------
+# -- an FSDP2 model -------------------------------------------------------------------------------
 
 
 def _fsdp2(rank: int, world: int) -> dict[str, Any]:
@@ -597,3 +597,30 @@ def test_an_fsdp2_model_matches_the_whole_batch() -> None:
             ("all_gather", "coupled representations"),
             ("reduce_scatter", "coupled gradient"),
         ], log
+
+
+def _stalled(rank: int, world: int) -> tuple[str, float]:
+    """Rank 1 reaches the window 4 s late; the sync's timeout is 1 s."""
+    import time
+
+    step = gradaccum.coupled(_embed_towers, _clip, 2, sync=gradaccum.all_reduce(timeout=1.0))
+    batch = _mine(_global(world), rank)
+    if rank == 1:
+        time.sleep(4.0)
+    start = time.monotonic()
+    try:
+        step(_params(), batch)
+        return "no error", time.monotonic() - start
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+
+
+@pytest.mark.distributed
+def test_a_stalled_rank_ends_in_an_error_within_the_timeout() -> None:
+    (m0, t0), (m1, _) = values(run(_stalled, timeout=120, pg_timeout=30))
+    assert m0.startswith(
+        "GradAccumError: coupled(_embed_towers, _clip, n=2)(params, batch): the rows of each "
+        "rank (all_gather) failed on rank 0"
+    ), m0
+    assert t0 < 15.0, t0  # the sync's timeout (1 s) fired, not the process group's (30 s)
+    assert m1.startswith("GradAccumError: coupled(_embed_towers, _clip, n=2)(params, batch):"), m1
