@@ -418,9 +418,11 @@ def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank() -> None:
         "before the representations were gathered"
     ), r0["embed"]
     assert r0["loss"] == "RuntimeError: loss broke on rank 0"
+    # A failed loss sends zeros (no host read to find out) and raises in pass 2, inside the
+    # sync's window: the boundary tells the other ranks.
     assert r1["loss"].startswith(
-        "GradAccumError: coupled(_embed_towers, loss_fails, n=2)(params, batch): another rank "
-        "failed in the loss"
+        "GradAccumError: coupled(_embed_towers, loss_fails, n=2)(params, batch): 1 other rank(s) "
+        "of the 2 in the group raised an error during this window (rank 1 did not)"
     ), r1["loss"]
     for r in (r0, r1):
         assert "the ranks' representations differ in key paths, dtypes or shapes" in r["layout"]

@@ -23,11 +23,11 @@ from .. import _split, _tree
 from .._autograd import check_no_transform, grad
 from .._core.accumulate import accumulate
 from .._core.protocol import LOCAL, Sync, check_sync
-from .._errors import describe
+from .._errors import GradAccumError, describe
 from .._layout import check_n
 from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Rows
-from ._replay import KeptBuffers, RandomStates
+from ._replay import KeptBuffers, RandomStates, renamed
 from ._window import cache
 
 __all__ = ["coupled"]
@@ -42,11 +42,14 @@ class _Pass2:
         self.floating: tuple[int, ...] = ()
         self.direct: list[tuple[int, torch.Tensor]] = []
         self.next = 0
+        self.done: Any = None
 
     def surrogate(self, params: Any, item: Any) -> torch.Tensor:
         """``sum(reps * grad_reps)`` for one micro-batch: its backward is the wanted VJP."""
         batch, grads = item
         j, self.next = self.next, self.next + 1
+        if j == 0:
+            self.done.check()
         self.rng.replay(j)
         leaves = _tree.flatten(self.embed(params, batch))[0]
         total = sum((leaves[i] * g).sum() for i, g in zip(self.floating, grads))
@@ -187,13 +190,16 @@ def coupled(
         items = [(mb, g) for (mb, _), g in zip(micro, done.slices)]
         direct = [(at[k], g) for k, g in done.direct]
         ctx.rng, ctx.floating, ctx.direct, ctx.next = rng, done.leaves.floating, direct, 0
+        ctx.done = done
         rng.end_of_pass()
         try:
             with KeptBuffers():
                 grads = inner(params, _split.MicroBatches(items))
+        except GradAccumError as err:  # named after this call, not the inner accumulate
+            raise renamed(err, call) from err
         finally:
             rng.restore()
-            ctx.direct = []
+            ctx.direct, ctx.done = [], None
         return grads, done.value
 
     return functools.wraps(embed)(step) if not torch.compiler.is_compiling() else step

@@ -15,8 +15,9 @@ data-parallel group and all recorded by [`record_collectives()`][gradaccum.sync.
 3. ``scatter``: one ``reduce_scatter`` of the loss's gradient for the global rows (in float32 or
    wider), which leaves each rank the sum over every rank's share of the loss of the gradient
    for its own rows: the cross-rank terms included (an ``all_gather`` without a gradient, the
-   classic bug, drops them). Two more numbers per rank ride along: the loss share (summed: the
-   whole objective) and a failure flag.
+   classic bug, drops them). One more number per rank rides along: the loss share (summed: the
+   whole objective). A rank whose loss failed sends zeros and raises in pass 2, whose
+   boundary tells the others (no host read here).
 
 In a world of one (``sync=None``) nothing is sent.
 """
@@ -126,7 +127,8 @@ class Exchange:
         out = torch.empty(self.world * 4, dtype=torch.int64, device=device)
         what = "the rows of each rank (all_gather)"
         self.comm.wait(self.comm.all_gather(out, mine, what, "coupled rows"), what)
-        table = [self.comm.fetch(out)[4 * r : 4 * r + 4] for r in range(self.world)]
+        got = self.comm.fetch(out)  # the window's one host read of the exchange
+        table = [got[4 * r : 4 * r + 4] for r in range(self.world)]
         where = self.comm.where
         bad = [r for r, t in enumerate(table) if t[1]]
         if bad:
@@ -181,25 +183,24 @@ class Exchange:
         return out
 
     def scatter(
-        self, grad: torch.Tensor, share: torch.Tensor, failed: bool, per_rank: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        self, grad: torch.Tensor, share: torch.Tensor, per_rank: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``grad`` (``[total, width]``) summed over the ranks, this rank's rows of it.
 
-        Returns ``(local rows [rows, width], the loss summed over the ranks, any rank failed)``.
+        Returns ``(local rows [rows, width], the loss summed over the ranks)``, with no host
+        read: a rank whose loss failed sends zeros and fails in pass 2, where the sync's
+        boundary tells the others.
         """
         top, width = max(per_rank), grad.shape[1]
-        send = grad.new_zeros(self.world, top * width + 2)
+        send = grad.new_zeros(self.world, top * width + 1)
         at = 0
         for r, rows in enumerate(per_rank):
             send[r, : rows * width] = grad[at : at + rows].reshape(-1)
             at += rows
-        send[:, -2] = share.detach().to(send.dtype)
-        send[:, -1] = float(failed)
-        out = send.new_empty(top * width + 2)
+        send[:, -1] = share.detach().to(send.dtype)
+        out = send.new_empty(top * width + 1)
         what = "the representations' gradient (reduce_scatter)"
-        self.comm.wait(
-            self.comm.reduce_scatter(out, send.reshape(-1), what, "coupled gradient"), what
-        )
-        any_failed = self.comm.fetch(out[-1:])[0] > 0
+        work = self.comm.reduce_scatter(out, send.reshape(-1), what, "coupled gradient")
+        self.comm.wait(work, what)
         rows = per_rank[self.rank]
-        return out[: rows * width].view(rows, width), out[-2], any_failed
+        return out[: rows * width].view(rows, width), out[-1]

@@ -25,7 +25,7 @@ from .._errors import GradAccumError, describe
 from .._layout import check_n
 from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Leaves
-from ._replay import KeptBuffers, RandomStates
+from ._replay import KeptBuffers, RandomStates, renamed
 
 __all__ = ["window_stats"]
 
@@ -164,6 +164,8 @@ def window_stats(
         try:
             with KeptBuffers():
                 out = inner(params, batch, window)
+        except GradAccumError as err:  # named after this call, not the inner accumulate
+            raise renamed(err, call) from err
         finally:
             rng.restore()
         return out  # type: ignore[no-any-return]

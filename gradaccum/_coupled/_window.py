@@ -35,6 +35,7 @@ class Cached:
             representations (summed over every rank's share).
         direct: ``(k, grad)`` for each of the ``targets`` the loss used directly (this rank's
             share only: the sync sums them with the rest).
+        failure: The loss's error on this rank, under a sync: raised by ``check`` in pass 2.
     """
 
     leaves: Leaves
@@ -43,6 +44,15 @@ class Cached:
     share: torch.Tensor
     slices: list[tuple[torch.Tensor, ...]]
     direct: list[tuple[int, torch.Tensor]]
+    failure: Exception | None = None
+
+    def check(self) -> None:
+        """Pass 2's first micro-batch: raise this rank's loss error, inside the sync's window.
+
+        So that it joins the boundary flagged as failed, and every other rank raises there.
+        """
+        if self.failure is not None:
+            raise self.failure
 
 
 def cache(
@@ -60,8 +70,10 @@ def cache(
     ``forwards``: each micro-batch's ``embed`` call, and its rows if known. ``run_loss(reps,
     rows)``: this rank's share; its gradient is taken for the representations and ``targets``.
 
-    With a sync every rank takes part in each collective even when it failed (it joins flagged),
-    so every rank raises together; the failing one raises its own error.
+    With a sync every rank takes part in each collective even when it failed: in pass 1 it
+    joins the agreement flagged, and every rank raises there; in the loss it sends zeros and
+    raises in pass 2 (``Cached.check``), inside the sync's window, whose boundary tells the
+    others. The failing rank raises its own error.
     """
     leaves, spec, local, per_rank, sizes = _first(call, forwards, rng, exchange, index, device)
     total = sum(per_rank)
@@ -76,15 +88,7 @@ def cache(
     share, rep_grads, direct, failure = _loss(call, run_loss, targets, leaves, spec, glob, rows)
     flat = _flat_grads(leaves, rep_grads, total, _wide(leaves), local[0].device)
     if exchange is not None:
-        flat, value, failed = exchange.scatter(flat, share, failure is not None, per_rank)
-        if failure is not None:
-            raise failure
-        if failed:
-            raise GradAccumError(
-                f"{call}: another rank failed in the loss (after the representations were "
-                f"gathered); this rank ({exchange.rank}) stops too. The failing rank raised "
-                f"the cause."
-            )
+        flat, value = exchange.scatter(flat, share, per_rank)
         value = value.to(share.dtype)
     else:
         if failure is not None:
@@ -98,7 +102,7 @@ def cache(
             cols += widths[i]
         slices.append(tuple(g))
         at += r
-    return Cached(leaves, rows, value, share, slices, direct)
+    return Cached(leaves, rows, value, share, slices, direct, failure)
 
 
 # -- pass 1 --------------------------------------------------------------------------------------

@@ -143,6 +143,8 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
     def surrogate(model: torch.nn.Module, item: Any) -> tuple[torch.Tensor, int]:
         mb, grads = item
         j, at[0] = at[0], at[0] + 1
+        if j == 0:
+            done.check()
         rng.replay(j)
         leaves = _tree.flatten(coupled.embed(model, mb))[0]
         total = sum((leaves[i] * g).sum() for i, g in zip(floating, grads))
