@@ -180,6 +180,7 @@ def exactness(args: argparse.Namespace) -> list[dict[str, float]]:
                 "naive_loss_rel_err": abs(float(naive_loss) - float(true_loss)) / float(true_loss),
                 "naive_grad_rel_err": rel_err(naive, true_grads),
                 "naive_grad_cosine": cosine(naive, true_grads),
+                "naive_grad_norm_ratio": _norm(naive) / _norm(true_grads),
             }
         )
     return out
@@ -361,6 +362,7 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
             "naive: loss",
             "naive: gradient",
             "naive: cosine",
+            "naive: norm / true norm",
         ],
         [
             [
@@ -370,6 +372,7 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 f"{r['naive_loss_rel_err']:.3f}",
                 f"{r['naive_grad_rel_err']:.3f}",
                 f"{r['naive_grad_cosine']:.3f}",
+                f"{r['naive_grad_norm_ratio']:.3f}",
             ]
             for r in res["exactness"]
         ],
