@@ -275,3 +275,48 @@ def test_window_budget_quick_prints_every_part_and_their_sum() -> None:
     assert all(us > 0 for us in rows.values()), proc.stdout
     assert total == pytest.approx(sum(rows.values()), abs=0.5), proc.stdout
     assert "the sum as a share of a one-micro-batch step: " in proc.stdout
+
+
+COUPLED = Path(__file__).resolve().parent.parent / "benchmarks" / "coupled.py"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_coupled_quick_is_exact_and_prints_every_table(tmp_path: Path) -> None:
+    out = tmp_path / "coupled.json"
+    proc = subprocess.run(
+        [sys.executable, str(COUPLED), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"coupled.py exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+        f"--- stderr\n{proc.stderr[-4000:]}"
+    )
+    for title in ("1. exactness", "2a. peak memory", "2b. peak memory", "3. time", "4. two"):
+        assert title in proc.stdout, title
+    res = json.loads(out.read_text())
+    ns = [int(n) for n in res["time"]["median_ms"]["coupled"]]
+    assert ns == [1, 2, 4]
+    for row in res["exactness"]:
+        assert row["coupled_grad_rel_err"] <= 1e-12, row
+        if row["n"] > 1:  # each micro-batch's own negatives: another objective
+            assert row["naive_grad_rel_err"] > 0.01, row
+            assert row["naive_loss"] < row["true_loss"], row
+    window = res["memory"]["window"]
+    assert window["coupled"]["4"] < window["whole"]["1"]
+    ranks = res["two_ranks"]
+    assert all(err <= 1e-12 for err in ranks["coupled"].values()), ranks["coupled"]
+    assert ranks["dropped"] > 0.01
+    # Per window after the first: coupled's three, then the sync's fingerprint and one bucket.
+    later = [(c["kind"], c["purpose"]) for c in ranks["collectives"]["2"][1]]
+    assert later == [
+        ("all_gather", "coupled rows"),
+        ("all_gather", "coupled representations"),
+        ("reduce_scatter", "coupled gradient"),
+        ("all_reduce", "fingerprint"),
+        ("all_reduce", "gradients"),
+    ]
