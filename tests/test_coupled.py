@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
@@ -295,7 +296,6 @@ def test_plain_accumulation_is_not_the_objective() -> None:
 
 def _sharded(rank: int, world: int) -> dict[str, float]:
     """A reduce-scatter sync over a Sharded: both passes gather; this rank's shards are exact."""
-    import torch.distributed as dist
 
     params = _params()
     sp = gradaccum.shard(params, bucket_mb=1e-4)
@@ -342,6 +342,22 @@ def _across(rank: int, world: int) -> dict[str, Any]:
     want, total = _reference(_embed_towers, _clip, params, world, lambda r: [1] * _rows_of(r))
     out["short window"] = max(_diff(grads, want), float((value - total).abs()))
     out["collectives"] = _collectives(rank, world)
+
+    # A custom reduction (the user's sum of the shares, with a state carried between windows).
+    def summed(grads: Any, state: Any, group: Any) -> tuple[Any, Any]:
+        for g in gradaccum._tree.flatten(grads)[0]:
+            dist.all_reduce(g, group=group)
+        return grads, state + 1
+
+    sync = gradaccum.custom_reduce(summed, init=lambda g: 0)
+    step = gradaccum.coupled(_embed_towers, _clip, 3, sync=sync)
+    for _ in range(2):
+        grads, value = step(params, batch)
+    want, total = _reference(
+        _embed_towers, _clip, params, world, lambda r: _split_sizes(_rows_of(r), 3)
+    )
+    out["custom_reduce"] = max(_diff(grads, want), float((value - total).abs()))
+    out["custom_reduce: state"] = float(sync.state != 2)
     return out
 
 
