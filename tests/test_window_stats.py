@@ -154,7 +154,21 @@ def test_plain_accumulation_of_the_balance_loss_is_not_the_objective() -> None:
 
 
 def _across(rank: int, world: int) -> dict[str, float]:
-    return _cases(rank, world, gradaccum.all_reduce)
+    out = _cases(rank, world, gradaccum.all_reduce)
+    # Sharded params: pass 1 gathers them once, pass 2 as the sync does; this rank's shards.
+    stats, loss = _make(0.3, True)
+    sp = gradaccum.shard(_params(), bucket_mb=1e-4)
+    back = gradaccum.shard(_params(), bucket_mb=1e-4)
+    torch.manual_seed(10 + rank)
+    step = gradaccum.window_stats(stats, loss, 3, sync=gradaccum.reduce_scatter(sp))
+    shards, _ = step(sp, _mine(_data(world), rank))
+    with torch.no_grad():
+        for s, g in zip(back.shards, shards, strict=True):
+            s.copy_(g)
+    full = back.gather()
+    want, _ = _reference(world, 3, 0.3, True)
+    out["sharded"] = max(float((full[k] - want[k]).abs().max()) for k in want)
+    return out
 
 
 @pytest.mark.distributed
