@@ -782,3 +782,38 @@ def test_suite_device_is_what_it_claims() -> None:
     """The constants the other tests use: CUDA + NCCL unless GRADACCUM_GPU_TEST_ON_CPU=1."""
     assert dist.get_backend() == BACKEND
     assert DEVICE.type == ("cuda" if CUDA else "cpu")
+
+
+# -- coupled losses ---------------------------------------------------------------------------
+
+
+def test_coupled_with_dropout_equals_the_whole_window() -> None:
+    """coupled() on the device: dropout masks replayed from the device's random state."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 8))
+    enc = enc.double().to(DEVICE)
+    params = gradaccum.params_of(enc)
+
+    def embed(p: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = gradaccum.call_module(enc, p, {}, x)[0]
+        return {"z": F.normalize(z, dim=-1)}
+
+    def loss(p: Any, reps: dict[str, torch.Tensor], rows: gradaccum.Rows) -> torch.Tensor:
+        z = reps["z"]
+        sim = 10.0 * z[rows.local] @ z.T
+        sim = sim - 1e9 * torch.eye(len(z), dtype=z.dtype, device=z.device)[rows.local]
+        nll = F.cross_entropy(sim, rows.arange(z.device) ^ 1, reduction="sum")
+        return nll / rows.total
+
+    x = torch.randn(ROWS, 16, dtype=torch.float64, device=DEVICE)
+    step = gradaccum.coupled(embed, loss, 4, sync=gradaccum.all_reduce())
+    torch.manual_seed(1)
+    grads, value = step(params, x)
+    torch.manual_seed(1)
+    live = {k: v.detach().requires_grad_() for k, v in params.items()}
+    reps = {"z": torch.cat([embed(live, mb)["z"] for mb in x.split(ROWS // 4)])}
+    total = loss(live, reps, gradaccum.Rows(0, ROWS, ROWS, (ROWS,)))
+    want = torch.autograd.grad(total, list(live.values()))
+    for k, w in zip(live, want):
+        torch.testing.assert_close(grads[k], w, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(value, total.detach(), rtol=1e-12, atol=0)
