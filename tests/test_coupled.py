@@ -358,6 +358,20 @@ def _across(rank: int, world: int) -> dict[str, Any]:
     )
     out["custom_reduce"] = max(_diff(grads, want), float((value - total).abs()))
     out["custom_reduce: state"] = float(sync.state != 2)
+    if world == 4:  # hybrid sharding: a 2-D mesh is refused, before any collective
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        sp = gradaccum.shard(params, mesh)
+        step = gradaccum.coupled(_embed_towers, _clip, 2, sync=gradaccum.reduce_scatter(sp))
+        try:
+            step(sp, batch)
+            out["2-D mesh refused"] = 1.0
+        except ValueError as err:
+            out["2-D mesh refused"] = float(
+                "the sync's data is split over a 2-D mesh, but the representations are "
+                "exchanged over one process group" not in str(err)
+            )
     return out
 
 
@@ -431,7 +445,7 @@ def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank() -> None:
     assert r1["embed"] == "RuntimeError: embed broke on rank 1"
     assert r0["embed"].startswith(
         "GradAccumError: coupled(embed_fails, _clip, n=2)(params, batch): rank(s) [1] failed "
-        "before the representations were gathered"
+        "before the representations were exchanged"
     ), r0["embed"]
     assert r0["loss"] == "RuntimeError: loss broke on rank 0"
     # A failed loss sends zeros (no host read to find out) and raises in pass 2, inside the

@@ -197,3 +197,44 @@ def test_bad_input_is_refused() -> None:
         ValueError, match=re.escape("stats for micro-batch 1 differ from micro-batch 0's")
     ):
         flip(_params(), (_data(1)[0][:5], _data(1)[1][:5]))
+
+
+def _faults(rank: int, world: int) -> dict[str, str]:
+    x, y = _mine(_data(world), rank)
+    stats, loss = _make(0.0, False)
+    out = {}
+
+    def stats_fails(p: Any, mb: Any) -> Any:
+        if rank == 1:
+            raise RuntimeError("stats broke on rank 1")
+        return stats(p, mb)
+
+    def stats_differs(p: Any, mb: Any) -> Any:
+        s = stats(p, mb)
+        return s if rank == 0 else {**s, "extra": s["tokens"]}
+
+    for name, fn in (("stats", stats_fails), ("layout", stats_differs)):
+        try:
+            gradaccum.window_stats(fn, loss, 2, sync=gradaccum.all_reduce())(_params(), (x, y))
+            out[name] = "no error"
+        except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+            out[name] = f"{type(err).__name__}: {err}"
+    grads, _ = gradaccum.window_stats(stats, loss, 3, sync=gradaccum.all_reduce())(
+        _params(), (x, y)
+    )
+    want, _ = _reference(world, 3, 0.0, False)
+    out["after"] = str(max(float((grads[k] - want[k]).abs().max()) for k in want))
+    return out
+
+
+@pytest.mark.distributed
+def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank() -> None:
+    r0, r1 = values(run(_faults, timeout=120))
+    assert r1["stats"] == "RuntimeError: stats broke on rank 1"
+    assert r0["stats"].startswith(
+        "GradAccumError: window_stats(stats_fails, loss, n=2)(params, batch): rank(s) [1] failed "
+        "before the statistics were exchanged (in stats, or at its output's checks)"
+    ), r0["stats"]
+    for r in (r0, r1):
+        assert "the ranks' statistics differ in key paths, dtypes or shapes" in r["layout"]
+        assert float(r["after"]) < TOL

@@ -108,12 +108,16 @@ class Leaves:
 class Exchange:
     """The three collectives of a coupled window over the sync's data-parallel group."""
 
-    def __init__(self, where: str, group: Any, timeout: float | None) -> None:
+    def __init__(self, where: str, group: Any, timeout: float | None, fn: str = "embed") -> None:
+        # What pass 1 runs, and what it makes, in the messages: embed's representations, or
+        # window_stats' statistics.
+        self.fn, self.made = fn, "representations" if fn == "embed" else "statistics"
         if is_mesh(group) and group.ndim != 1:
             raise ValueError(
-                f"{where}: the sync's data is split over a {group.ndim}-D mesh, but coupled() "
-                f"gathers representations over one process group; pass a sync over a 1-D group "
-                f"or mesh (coupled losses over hybrid-sharded meshes are not supported yet)."
+                f"{where}: the sync's data is split over a {group.ndim}-D mesh, but the "
+                f"{self.made} are exchanged over one process group; pass a sync over a 1-D "
+                f"group or mesh (coupled losses over hybrid-sharded meshes are not supported "
+                f"yet)."
             )
         self.comm = Comm(where, group, timeout, what="coupled(..., sync=...)")
         self.rank, self.world = self.comm.rank, self.comm.world
@@ -135,8 +139,8 @@ class Exchange:
             if failed:
                 return []  # the caller re-raises its own error
             raise GradAccumError(
-                f"{where}: rank(s) {bad} failed before the representations were gathered (in "
-                f"embed, or at its output's checks); this rank ({self.rank}) stops too. The "
+                f"{where}: rank(s) {bad} failed before the {self.made} were exchanged (in "
+                f"{self.fn}, or at its output's checks); this rank ({self.rank}) stops too. The "
                 f"failing rank raised the cause."
             )
         windows = [t[3] for t in table]
@@ -157,9 +161,9 @@ class Exchange:
         if len(set(hashes)) > 1:
             mine_desc = "; ".join(leaves.lines()) if leaves is not None else "none"
             raise GradAccumError(
-                f"{where}: the ranks' representations differ in key paths, dtypes or shapes "
+                f"{where}: the ranks' {self.made} differ in key paths, dtypes or shapes "
                 f"(layout hash by rank: {[t[2] for t in table]}); this rank's: {mine_desc}. "
-                f"embed must return the same tree, dtypes and trailing shapes on every rank."
+                f"{self.fn} must return the same tree, dtypes and shapes on every rank."
             )
         return [t[0] for t in table]
 

@@ -132,7 +132,7 @@ def window_stats(
         index, opened[0] = opened[0], opened[0] + 1
         exchange = None
         if kind is not LOCAL:
-            exchange = Exchange(call, kind.data_group(), kind.timeout)
+            exchange = Exchange(call, kind.data_group(), kind.timeout, fn="stats")
         micro = _split.split(call, batch, n, short_ok=exchange is not None)
         full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
         rng = RandomStates()
