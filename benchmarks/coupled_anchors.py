@@ -49,10 +49,10 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import utils as hub_utils
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
@@ -64,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import BertConfig, BertModel, BertTokenizerFast
+from transformers.utils import logging as hf_logging
 
 import gradaccum
 
@@ -100,6 +101,9 @@ def tiny_bert(
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
     )
+    bars = hf_logging.is_progress_bar_enabled(), not hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights"
+    hub_utils.disable_progress_bars()
     with tempfile.TemporaryDirectory() as tmp:
         words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         words += [f"w{i}" for i in range(VOCAB - len(words))]
@@ -111,6 +115,10 @@ def tiny_bert(
         model = SentenceTransformer(
             modules=[Transformer(tmp), Pooling(hidden, pooling_mode="mean")], device="cpu"
         )
+    if bars[0]:
+        hf_logging.enable_progress_bar()
+    if bars[1]:
+        hub_utils.enable_progress_bars()
     return model.to(dtype)
 
 
@@ -118,12 +126,18 @@ def token_batch(rows: int, seq: int, seed: int, *, ragged: bool = True) -> Featu
     """``rows`` sequences of [CLS] words [SEP]: 3 to ``seq`` tokens right-padded (``ragged``), or
     all of ``seq`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, seq + 1, (rows,), generator=g) if ragged else torch.full((rows,), seq)
+    lengths = (
+        torch.randint(3, seq + 1, (rows,), generator=g) if ragged else torch.full((rows,), seq)
+    )
     ids = torch.randint(FIRST_WORD, VOCAB, (rows, seq), generator=g)
     ids[:, 0] = CLS
     ids[torch.arange(rows), lengths - 1] = SEP
     mask = (torch.arange(seq)[None] < lengths[:, None]).long()
-    return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "token_type_ids": torch.zeros_like(ids),
+    }
 
 
 def pairs(rows: int, seq: int, seed: int = 1, *, ragged: bool = True) -> tuple[Features, Features]:
@@ -187,7 +201,7 @@ class _Float32Cache(torch.autograd.Function):
 def mnrl_share(
     params: Any, reps: Any, rows: gradaccum.Rows, *, float32_cache: bool = False
 ) -> torch.Tensor:
-    """MultipleNegativesRankingLoss as ``coupled``'s loss: this rank's anchors against all positives.
+    """MultipleNegativesRankingLoss as ``coupled``'s loss: this rank's anchors, all positives.
 
     ``scale * cos_sim(anchor_i, positive_j)``, cross-entropy with target ``j = i`` (global
     offsets), a mean over the global window's anchors. ``reps`` is ``embedder``'s: a dict
@@ -196,9 +210,10 @@ def mnrl_share(
     does.
     """
     if float32_cache:
-        reps = {k: _Float32Cache.apply(v) for k, v in reps.items()} if isinstance(reps, dict) else (
-            _Float32Cache.apply(reps)
-        )
+        if isinstance(reps, dict):
+            reps = {k: _Float32Cache.apply(v) for k, v in reps.items()}
+        else:
+            reps = _Float32Cache.apply(reps)
     if isinstance(reps, dict):
         anchor, positive, total = reps["anchor"][rows.local], reps["positive"], rows.total
         target = rows.arange(positive.device)
@@ -457,7 +472,9 @@ def _clip_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
     def open_clip_grads(**kw: bool) -> Grads:
         p = {k: v.clone().requires_grad_() for k, v in params.items()}
         z = embed(p, (images[local], texts[local]))
-        loss = ClipLoss(rank=rank, world_size=world, **kw)(z["image"], z["text"], p["log_scale"].exp())
+        loss = ClipLoss(rank=rank, world_size=world, **kw)(
+            z["image"], z["text"], p["log_scale"].exp()
+        )
         loss.backward()
         out = {}
         for k, v in p.items():  # DDP's average over the ranks
