@@ -482,6 +482,7 @@ def _clip_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
             out[k] = v.grad / world
         return out
 
+    defaults = open_clip_grads()
     sync = gradaccum.all_reduce()
     mine, _ = gradaccum.coupled(embed, clip_share, job["n"], sync=sync)(
         params, (images[local], texts[local])
@@ -490,7 +491,12 @@ def _clip_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
         "open_clip gather_with_grad+local_loss": max_diff(
             open_clip_grads(gather_with_grad=True, local_loss=True), ref
         ),
-        "open_clip defaults": max_diff(open_clip_grads(), ref),
+        "open_clip defaults": max_diff(defaults, ref),
+        # Each rank's full loss reaches the encoders only through its own rows; DDP's average
+        # then leaves them 1/world of the gradient, and the logit scale the whole of it.
+        "open_clip defaults, encoders x world": max_diff(
+            {k: v * (world if k != "log_scale" else 1) for k, v in defaults.items()}, ref
+        ),
         f"coupled n={job['n']}, all_reduce": max_diff(mine, ref),
     }
 
