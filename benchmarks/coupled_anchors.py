@@ -230,18 +230,21 @@ def mnrl_share(
 def coupled_grads(
     model: SentenceTransformer,
     n: int,
-    batch: tuple[Features, Features],
+    batch: tuple[Features, Features] | Features,
     *,
     layout: str = "pairs",
     float32_cache: bool = False,
 ) -> tuple[torch.Tensor, Grads]:
-    """``gradaccum.coupled``'s value and gradients, ``n`` micro-batches, one process."""
+    """``gradaccum.coupled``'s value and gradients, ``n`` micro-batches, one process.
+
+    ``stacked`` takes the pairs (stacked here) or ``stack(pairs)`` (stacked once, outside).
+    """
     params = {k: p.detach() for k, p in model.named_parameters()}
 
     def loss(params: Any, reps: Any, rows: gradaccum.Rows) -> torch.Tensor:
         return mnrl_share(params, reps, rows, float32_cache=float32_cache)
 
-    data = stack(batch) if layout == "stacked" else batch
+    data = stack(batch) if layout == "stacked" and isinstance(batch, tuple) else batch
     grads, value = gradaccum.coupled(embedder(model, layout), loss, n)(params, data)
     return value, grads
 
@@ -301,8 +304,10 @@ class Row(NamedTuple):
     step: Callable[[], tuple[torch.Tensor, Grads]]
 
 
-def contenders(model: SentenceTransformer, ms: list[int], batch: tuple[Features, Features]):
-    """MNRL, then for each ``m``: CMNRL, coupled over pairs, coupled over stacked rows."""
+def contenders(
+    model: SentenceTransformer, ms: list[int], batch: tuple[Features, Features], stacked: Features
+):
+    """MNRL, then for each ``m``: CMNRL, coupled over pairs, coupled over ``stacked`` rows."""
     rows = len(batch[0]["input_ids"])
     out = [
         Row(
@@ -327,7 +332,7 @@ def contenders(model: SentenceTransformer, ms: list[int], batch: tuple[Features,
                 f"stacked n={2 * rows // m}",
                 m,
                 twin,
-                lambda n=2 * rows // m: coupled_grads(model, n, batch, layout="stacked"),
+                lambda n=2 * rows // m: coupled_grads(model, n, stacked, layout="stacked"),
             ),
         ]
     return out
@@ -344,7 +349,7 @@ def compare(args: argparse.Namespace) -> int:
 
     # Gradients, float64: every contender against MNRL; CMNRL against coupled with its cast.
     model64 = tiny_bert(torch.float64, **kw)
-    rows64 = contenders(model64, args.ms, batch)
+    rows64 = contenders(model64, args.ms, batch, stack(batch))
     ref_value, ref = rows64[0].step()
     top = max(g.abs().max().item() for g in ref.values())
     diffs, values = {}, {}
@@ -375,8 +380,11 @@ def compare(args: argparse.Namespace) -> int:
 
     # Memory and time, float32.
     model32 = tiny_bert(torch.float32, **kw)
-    rows32 = contenders(model32, args.ms, batch)
-    existing = [*model32.parameters(), *model32.buffers(), *batch[0].values(), *batch[1].values()]
+    stacked = stack(batch)
+    rows32 = contenders(model32, args.ms, batch, stacked)
+    # The params, the batch and its stacked copy exist before each step: not counted.
+    existing = [*model32.parameters(), *model32.buffers(), *stacked.values()]
+    existing += [t for part in batch for t in part.values()]
     peaks = {row.name: peak_mib(row.step, existing) for row in rows32}
     times: dict[str, list[float]] = {row.name: [] for row in rows32}
     for row in rows32:  # warm-up
