@@ -9,8 +9,11 @@ positive):
 - ``MNRL``: ``MultipleNegativesRankingLoss`` on the whole batch, one graph: the reference;
 - ``CMNRL m``: ``CachedMultipleNegativesRankingLoss(mini_batch_size=m)``, sentence-transformers'
   GradCache;
-- ``coupled n``: ``gradaccum.coupled(embed, mnrl_share, n)`` with ``n = batch / m``: the same
-  micro-batch size.
+- ``pairs n``: ``gradaccum.coupled(embed, mnrl_share, n)`` with ``n = batch / m``: ``m`` pairs
+  per micro-batch, so one graph holds ``2m`` sequences (anchors and positives together);
+- ``stacked n``: ``coupled`` over the anchors' rows then the positives' (``stack``), ``n = 2 *
+  batch / m``: CMNRL's own mini-batches of ``m`` sequences, in its order (so that, with dropout,
+  it draws the same masks).
 
 For each ``m`` the script prints, side by side in one run: the largest absolute difference of the
 gradients from ``MNRL``'s in float64, the peak of live tensor memory and the median time of one
@@ -24,7 +27,8 @@ The gradients of ``CMNRL`` in float64 are about 1e-7 from the reference, not 1e-
 hook forms the surrogate ``dot(reps.float(), cached_grad.float())`` (a cast meant for autocast),
 which rounds the cached gradient of the embeddings to float32 whatever the model's dtype. The
 second table shows it: ``coupled`` with a loss that rounds its embeddings' gradient to float32
-(``float32_cache``) equals ``CMNRL`` to float64 precision.
+(``float32_cache``) equals ``CMNRL`` to float64 precision, and with dropout on (sequences of
+full length, so that CMNRL trims no padding and its masks have coupled's shapes) to the bit.
 
     python benchmarks/coupled_anchors.py            # batch 128, m in 4 16 64
     python benchmarks/coupled_anchors.py --quick    # batch 16, m in 4 8 (a few seconds)
