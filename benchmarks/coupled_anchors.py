@@ -41,7 +41,6 @@ not import (it needs torchvision, whose wheel does not import beside torch 2.13'
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -50,9 +49,6 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 import torch.nn.functional as F
