@@ -41,6 +41,7 @@ not import (it needs torchvision, whose wheel does not import beside torch 2.13'
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -446,7 +447,15 @@ def compare(args: argparse.Namespace) -> int:
 
 def _clip_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
     """One rank: open_clip's gradients (two settings) and coupled's, against the whole batch."""
-    from open_clip.loss import ClipLoss
+    if job.get("loss_py"):  # open_clip's own loss.py, loaded alone (it imports only torch)
+        spec = importlib.util.spec_from_file_location("open_clip_loss", job["loss_py"])
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ClipLoss = module.ClipLoss  # noqa: N806 - the class, under its own name
+    else:
+        from open_clip.loss import ClipLoss
 
     g = torch.Generator().manual_seed(0)
     rows, d_img, d_txt, d = job["rows"], 12, 10, 8
@@ -512,15 +521,20 @@ def _clip_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
 def clip_section(args: argparse.Namespace) -> None:
     """The open_clip comparison, or why it was skipped."""
     what = "open_clip ClipLoss(gather_with_grad=True, local_loss=True) on 2 gloo ranks"
-    try:
-        import open_clip.loss  # noqa: F401
-    except ImportError as err:
-        print(f"\n{what}: skipped ({type(err).__name__}: {err}).")
-        return
+    if args.open_clip_loss is None:
+        try:
+            import open_clip.loss  # noqa: F401
+        except ImportError as err:
+            print(
+                f"\n{what}: skipped ({type(err).__name__}: {err}); pass --open-clip-loss with "
+                f"open_clip's loss.py (it imports only torch: unzip -p "
+                f"open_clip_torch-*.whl open_clip/loss.py > loss.py)."
+            )
+            return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _launch import launch
 
-    job = {"rows": 16, "n": 2, "pg_timeout": 60}
+    job = {"rows": 16, "n": 2, "pg_timeout": 60, "loss_py": args.open_clip_loss}
     results = launch(_clip_rank, job, world=2, timeout=300, what="open_clip comparison")
     print(f"\n{what}: largest |gradient - the whole batch's| (float64, 16 rows, rank 0)")
     for name, diff in results[0].items():
@@ -538,6 +552,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-clip", action="store_true", help="skip the open_clip part")
+    parser.add_argument(
+        "--open-clip-loss",
+        default=None,
+        help="open_clip's loss.py, loaded by path where the open_clip package does not import",
+    )
     args = parser.parse_args()
     if args.quick:
         args.batch, args.ms, args.seq, args.repeats = 16, [4, 8], 12, 3
