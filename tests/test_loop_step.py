@@ -1136,3 +1136,31 @@ def test_a_failed_window_leaves_no_sums_in_grad(world_of_one) -> None:
     mse(ref, (x[2:], y[2:])).backward()
     ref_opt.step()
     assert max_param_diff(model, ref) < TIGHT
+
+
+def _clip_disagrees(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = 0.1 if rank == 0 else None
+    step = Step(model, lambda m, b: m(b).pow(2).mean(), opt, clip=clip, sync=gradaccum.all_reduce())
+    before = model.weight.detach().clone()
+    try:
+        step.add(torch.randn(4, 3, dtype=torch.float64))
+        step.apply()
+        return "no error"
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        moved = not torch.equal(before, model.weight.detach())
+        return f"{type(err).__name__}: {err} (moved: {moved})"
+
+
+@pytest.mark.distributed
+def test_ranks_built_with_another_clip_raise_before_stepping() -> None:
+    # Clipping on one rank only would make the replicas drift apart without a word: the
+    # Step's options are in the window's fingerprint.
+    r0, r1 = dist.values(dist.run(_clip_disagrees, timeout=120))
+    for got, mine, theirs in ((r0, "0.1", "None"), (r1, "None", "0.1")):
+        assert got.startswith("GradAccumError: Step.apply(): the ranks disagree"), got
+        assert f"has Step(clip={mine}) with a per-micro-batch loss but rank" in got, got
+        assert f"has Step(clip={theirs}) with a per-micro-batch loss" in got, got
+        assert got.endswith("(moved: False)"), got

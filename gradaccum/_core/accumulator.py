@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -90,6 +90,8 @@ class Accumulator:
     reduction: _reduce.Reduction = "mean"
     accum_dtype: torch.dtype | None = None
     sync: Sync | None = None
+    # The caller's options the ranks must share (WindowSpec.options): loop.Step sets them.
+    _options: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     @property
     def _where(self) -> str:
@@ -158,6 +160,7 @@ class Accumulator:
             epoch=at[1],
             metrics=tuple(name for name, _ in sig),
             metric_shapes=tuple(shape for _, shape in sig),
+            options=self._options,
         )
 
     def window_size(self, state: AccumState[T]) -> int:

@@ -61,6 +61,10 @@ class WindowSpec:
         metric_shapes: The shape of each metric, in ``metrics`` order: ``()`` for a scalar,
             ``(k,)`` for a 1-D metric of ``k`` numbers (they take ``k`` floats of the tail, in
             order). Empty: every metric is a scalar.
+        options: Lines describing the caller's options that every rank must share (e.g.
+            [`loop.Step`][gradaccum.loop.Step]'s clipping): a ``Comm`` from
+            [`connect()`][gradaccum.sync.Window.connect] puts them in the fingerprint, so
+            ranks built with different options raise at the boundary, before any step.
 
     Examples:
         >>> import torch, gradaccum
@@ -85,6 +89,7 @@ class WindowSpec:
     epoch: int = 0
     metrics: tuple[str, ...] = ()
     metric_shapes: tuple[tuple[int, ...], ...] = ()
+    options: tuple[str, ...] = ()
 
 
 class Window:

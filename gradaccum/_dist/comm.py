@@ -383,13 +383,13 @@ class Comm:
         )
 
     def lines(self, desc: tuple[str, ...]) -> tuple[str, ...]:
-        """``desc`` after the lines of the window's index and metric names (if bound to one)."""
+        """``desc`` after the window's index, metric names and options (if bound to one)."""
         if self.window is None:
             return desc
         spec = self.window.spec
         names = (_metrics.line(spec),) if spec.metrics else ()
         epoch = f" of epoch {spec.epoch}" if spec.epoch else ""
-        return (f"{WINDOW}{spec.index}{epoch}", *names, *desc)
+        return (f"{WINDOW}{spec.index}{epoch}", *names, *spec.options, *desc)
 
     def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).

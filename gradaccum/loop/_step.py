@@ -329,6 +329,10 @@ class Step:
         self.sync = sync
         self.data = data
         self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
+        # In the fingerprint: ranks built with another clip (or loss kind) would step apart.
+        kind_of_loss = "a coupled" if coupled is not None else "a per-micro-batch"
+        options = (f"Step(clip={clip!r}) with {kind_of_loss} loss",)
+        object.__setattr__(self.acc, "_options", options)
         if sync is not None:
             run_token()  # the checkpoints' run token, read while every rank is surely there
         self._plateau = scheduler is not None and _takes_metric(scheduler)
