@@ -138,8 +138,9 @@ def _ranks(rank: int, world: int) -> float:
 
 
 @pytest.mark.distributed
-def test_two_ranks_match_plain_pytorch() -> None:
-    assert all(d < TOL for d in values(run(_ranks, timeout=120)))
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_match_plain_pytorch(world: int) -> None:
+    assert all(d < TOL for d in values(run(_ranks, world=world, timeout=180), world=world))
 
 
 def test_a_save_after_add_window_resumes_bit_identically(tmp_path: Any) -> None:
