@@ -420,6 +420,8 @@ def _faults(rank: int, world: int) -> dict[str, str]:
         "loss": (_embed_towers, loss_fails, batch),
         "layout": (embed_differs, _clip, batch),
         "no rows": (_embed_towers, _clip, batch if rank == 0 else gradaccum.MicroBatches([])),
+        # A batch that does not split (its leaves disagree on dim 0), on rank 1 only.
+        "batch": (_embed_towers, _clip, batch if rank == 0 else {**batch, "d": batch["d"][1:]}),
     }
     for name, (embed, loss, b) in cases.items():
         step = gradaccum.coupled(embed, loss, 2, sync=gradaccum.all_reduce())
@@ -454,6 +456,10 @@ def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank() -> None:
         "GradAccumError: coupled(_embed_towers, loss_fails, n=2)(params, batch): 1 other rank(s) "
         "of the 2 in the group raised an error during this window (rank 1 did not)"
     ), r1["loss"]
+    assert r1["batch"].startswith("ValueError: coupled(_embed_towers, _clip, n=2)(params, batch)")
+    assert r0["batch"].startswith(
+        "GradAccumError: coupled(_embed_towers, _clip, n=2)(params, batch): rank(s) [1] failed"
+    ), r0["batch"]
     for r in (r0, r1):
         assert "the ranks' representations differ in key paths, dtypes or shapes" in r["layout"]
         assert r["layout"].startswith("GradAccumError")

@@ -213,9 +213,14 @@ def _faults(rank: int, world: int) -> dict[str, str]:
         s = stats(p, mb)
         return s if rank == 0 else {**s, "extra": s["tokens"]}
 
-    for name, fn in (("stats", stats_fails), ("layout", stats_differs)):
+    bad = (x, y) if rank == 0 else (x, y[1:])  # rank 1's batch does not split
+    for name, fn, b in (
+        ("stats", stats_fails, (x, y)),
+        ("layout", stats_differs, (x, y)),
+        ("batch", stats, bad),
+    ):
         try:
-            gradaccum.window_stats(fn, loss, 2, sync=gradaccum.all_reduce())(_params(), (x, y))
+            gradaccum.window_stats(fn, loss, 2, sync=gradaccum.all_reduce())(_params(), b)
             out[name] = "no error"
         except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
             out[name] = f"{type(err).__name__}: {err}"
@@ -235,6 +240,10 @@ def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank() -> None:
         "GradAccumError: window_stats(stats_fails, loss, n=2)(params, batch): rank(s) [1] failed "
         "before the statistics were exchanged (in stats, or at its output's checks)"
     ), r0["stats"]
+    assert r1["batch"].startswith("ValueError: window_stats(stats, loss, n=2)(params, batch)")
+    assert r0["batch"].startswith(
+        "GradAccumError: window_stats(stats, loss, n=2)(params, batch): rank(s) [1] failed"
+    ), r0["batch"]
     for r in (r0, r1):
         assert "the ranks' statistics differ in key paths, dtypes or shapes" in r["layout"]
         assert float(r["after"]) < TOL

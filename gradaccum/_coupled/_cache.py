@@ -27,7 +27,7 @@ from .._errors import GradAccumError, describe
 from .._layout import check_n
 from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Rows
-from ._replay import KeptBuffers, RandomStates, renamed
+from ._replay import KeptBuffers, RandomStates, renamed, reraise
 from ._window import cache
 
 __all__ = ["coupled"]
@@ -165,7 +165,14 @@ def coupled(
         exchange = None
         if kind is not LOCAL:
             exchange = Exchange(call, kind.data_group(), kind.timeout)
-        micro = _split.split(call, batch, n, short_ok=exchange is not None)
+        forwards: list[tuple[Callable[[Any], Any], int | None]]
+        try:
+            micro = _split.split(call, batch, n, short_ok=exchange is not None)
+            forwards = [(functools.partial(_embed_with, embed, mb), r) for mb, r in micro]
+        except Exception as err:  # a bad batch on this rank: joined as failed in pass 1
+            if exchange is None:
+                raise
+            micro, forwards = [], [(functools.partial(reraise, err), None)]
         full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
         rng = RandomStates()
         pflat, pspec = _tree.flatten(full)
@@ -178,7 +185,7 @@ def coupled(
         at = [i for i, t in enumerate(mine) if isinstance(t, torch.Tensor) and t.requires_grad]
         done = cache(
             call,
-            [(functools.partial(embed, full, mb), r) for mb, r in micro],
+            [(functools.partial(f, full), r) for f, r in forwards],
             lambda reps, rows: loss(_tree.unflatten(pspec, mine), reps, rows),
             [mine[i] for i in at],
             rng,
@@ -203,6 +210,10 @@ def coupled(
         return grads, done.value
 
     return functools.wraps(embed)(step) if not torch.compiler.is_compiling() else step
+
+
+def _embed_with(embed: Callable[..., Any], mb: Any, params: Any) -> Any:
+    return embed(params, mb)
 
 
 def _name(fn: Any) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from .._errors import GradAccumError
 
-__all__ = ["KeptBuffers", "RandomStates", "renamed"]
+__all__ = ["KeptBuffers", "RandomStates", "renamed", "reraise"]
 
 
 class RandomStates:
@@ -99,3 +99,8 @@ _INNER = re.compile(r"^accumulate\(.*?, n=\d+\)\(\.\.\.\)")
 def renamed(err: GradAccumError, call: str) -> GradAccumError:
     """``err`` from pass 2's inner ``accumulate``, named after the user's ``call``."""
     return GradAccumError(_INNER.sub(lambda _: call, str(err), count=1))
+
+
+def reraise(err: BaseException, *_args: Any) -> Any:
+    """Raise ``err`` again: a micro-batch's forward that stands for a failure before pass 1."""
+    raise err

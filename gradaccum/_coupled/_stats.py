@@ -133,10 +133,16 @@ def window_stats(
         exchange = None
         if kind is not LOCAL:
             exchange = Exchange(call, kind.data_group(), kind.timeout, fn="stats")
-        micro = _split.split(call, batch, n, short_ok=exchange is not None)
+        sums, spec, layout, failure = None, None, None, None
+        micro: list[tuple[Any, int]] = []
+        try:
+            micro = _split.split(call, batch, n, short_ok=exchange is not None)
+        except Exception as err:  # a bad batch on this rank: joined as failed below
+            if exchange is None:
+                raise
+            failure = err
         full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
         rng = RandomStates()
-        sums, spec, layout, failure = None, None, None, None
         try:
             with torch.no_grad():
                 for j, (mb, _rows) in enumerate(micro):
@@ -144,7 +150,7 @@ def window_stats(
                     sums, spec, layout = _add(call, j, stats(full, mb), sums, spec, layout)
         except Exception as err:  # joined as failed below, then re-raised
             failure = err
-        rows = sum(r for _, r in micro)
+        rows = sum(r for _, r in micro) if failure is None else 0
         device = sums.device if sums is not None else _device(params)
         if exchange is not None:
             exchange.agree(rows, failure is not None, layout, index, device)

@@ -22,7 +22,7 @@ import torch
 
 from .. import _tree
 from .._coupled._exchange import Exchange, Rows
-from .._coupled._replay import KeptBuffers, RandomStates
+from .._coupled._replay import KeptBuffers, RandomStates, reraise
 from .._coupled._window import cache
 from .._errors import describe
 
@@ -120,7 +120,7 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
     except Exception as err:
         if step._joined:  # the data's callback joined pass 1's agreement flagged already
             raise
-        forwards = [(functools.partial(_reraise, err), None)]
+        forwards = [(functools.partial(reraise, err), None)]
         taken = []
     step._follow(where)
     targets = [p for p in model.parameters() if p.requires_grad]
@@ -166,7 +166,3 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
     finally:
         step.loss, step._feeding = loss, False
         rng.restore()
-
-
-def _reraise(err: BaseException) -> Any:
-    raise err
