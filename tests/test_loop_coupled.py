@@ -18,7 +18,7 @@ from torch import nn
 
 import gradaccum
 from gradaccum import Rows
-from gradaccum.loop import Coupled, Step, load, save, windows
+from gradaccum.loop import Coupled, Step, WindowStats, load, save, windows
 from tests.dist import run, values
 
 TOL = 1e-12
@@ -264,3 +264,110 @@ def test_a_data_error_on_one_rank_ends_in_an_error_on_every_rank() -> None:
     assert r1 == ["ok", "OSError: disk gone on rank 1"], r1
     assert r0[0] == "ok"
     assert r0[1].startswith("GradAccumError: Step.add_window(batches): rank(s) [1] failed"), r0
+
+
+# -- WindowStats: an MoE load-balancing loss in the loop ------------------------------------------
+
+E = 3
+
+
+class MoE(nn.Module):
+    def __init__(self, drop: float = 0.2) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.router = nn.Linear(6, E)
+        self.experts = nn.ModuleList(nn.Linear(6, 1) for _ in range(E))
+        self.drop = nn.Dropout(drop)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.drop(x)
+        probs = self.router(h).softmax(-1)
+        route = probs.argmax(-1)
+        outs = torch.stack([e(h).squeeze(-1) for e in self.experts], -1)
+        pred = (outs * probs).gather(-1, route[:, None]).squeeze(-1)
+        return pred, probs, route
+
+
+def moe_stats(model: MoE, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    _, _, route = model(mb["q"])
+    return {"counts": F.one_hot(route, E).sum(0), "tokens": torch.tensor(route.numel())}
+
+
+def moe_loss(model: MoE, mb: dict[str, torch.Tensor], window: Any) -> torch.Tensor:
+    pred, probs, _ = model(mb["q"])
+    frac = window["counts"] / window["tokens"]
+    return ((pred - mb["d"][:, 0]) ** 2).mean() + 0.5 * E * (frac * probs.mean(0)).sum()
+
+
+def _moe_reference(world: int, data: Any, drop: float = 0.2) -> tuple[MoE, list[float]]:
+    model = MoE(drop)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    losses = []
+    torch.manual_seed(9)
+    for window in data:
+        outs = [(model(mb["q"]), mb) for r in range(world) for mb in window[r]]
+        routes = torch.cat([route for (_, _, route), _ in outs])
+        frac = F.one_hot(routes, E).sum(0) / routes.numel()
+        rows = sum(mb["q"].shape[0] for _, mb in outs)
+        total = 0
+        for (pred, probs, _), mb in outs:  # each micro-batch's mean, weighted by its rows
+            part = ((pred - mb["d"][:, 0]) ** 2).mean() + 0.5 * E * (frac * probs.mean(0)).sum()
+            total = total + part * mb["q"].shape[0] / rows
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total.detach()))
+    return model, losses
+
+
+def _moe_train(
+    rank: int, world: int, data: Any, sync: Any, drop: float = 0.2
+) -> tuple[MoE, list[float]]:
+    model = MoE(drop)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    step = Step(model, WindowStats(moe_stats, moe_loss), opt, clip=0.5, sync=sync)
+    losses = []
+    torch.manual_seed(9)
+    for window in data:
+        step.add_window(window[rank])
+        losses.append(step.apply().loss)
+    return model, losses
+
+
+def _moe_ranks(rank: int, world: int) -> float:
+    data = _data(world)
+    # The reference draws every rank's dropout masks from one stream, the ranks each from their
+    # own: across ranks, without dropout (its replay is checked in one process).
+    got = _moe_train(rank, world, data, gradaccum.all_reduce(), drop=0.0)
+    return _compare(got, _moe_reference(world, data, drop=0.0))
+
+
+def test_window_stats_in_one_process_match_plain_pytorch() -> None:
+    data = _data(1)
+    got = _moe_train(0, 1, data, None)
+    assert _compare(got, _moe_reference(1, data)) < TOL
+    # The test can fail: per-micro-batch counts give other parameters.
+    assert float((got[0].router.weight - MoE().router.weight).detach().abs().max()) > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_window_stats_on_ranks_match_plain_pytorch(world: int) -> None:
+    assert all(d < TOL for d in values(run(_moe_ranks, world=world, timeout=180), world=world))
+
+
+def test_window_stats_misuse_is_refused() -> None:
+    with pytest.raises(TypeError, match=re.escape("WindowStats(stats, loss): stats must be a")):
+        WindowStats(None, moe_loss)  # type: ignore[arg-type]
+    model = MoE()
+    step = Step(model, WindowStats(moe_stats, moe_loss), torch.optim.SGD(model.parameters(), 0.1))
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "Step.add(batch): this step's loss is WindowStats(moe_stats, moe_loss), which needs "
+            "the whole window at once"
+        ),
+    ):
+        step.add(_data(1)[0][0][0])

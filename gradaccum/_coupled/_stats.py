@@ -12,7 +12,7 @@ constants, with pass 1's random numbers replayed per micro-batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Leaves
 from ._replay import KeptBuffers, RandomStates, renamed
 
-__all__ = ["window_stats"]
+__all__ = ["collect", "window_stats"]
 
 
 class _Pass2:
@@ -133,7 +133,7 @@ def window_stats(
         exchange = None
         if kind is not LOCAL:
             exchange = Exchange(call, kind.data_group(), kind.timeout, fn="stats")
-        sums, spec, layout, failure = None, None, None, None
+        failure: Exception | None = None
         micro: list[tuple[Any, int]] = []
         try:
             micro = _split.split(call, batch, n, short_ok=exchange is not None)
@@ -143,28 +143,8 @@ def window_stats(
             failure = err
         full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
         rng = RandomStates()
-        try:
-            with torch.no_grad():
-                for j, (mb, _rows) in enumerate(micro):
-                    rng.capture()
-                    sums, spec, layout = _add(call, j, stats(full, mb), sums, spec, layout)
-        except Exception as err:  # joined as failed below, then re-raised
-            failure = err
-        rows = sum(r for _, r in micro) if failure is None else 0
-        device = sums.device if sums is not None else _device(params)
-        if exchange is not None:
-            exchange.agree(rows, failure is not None, layout, index, device)
-        if failure is not None:
-            raise failure
-        if sums is None or layout is None:  # no micro-batch on this rank, in one process
-            raise GradAccumError(
-                f"{call}: this rank has no rows in this window; window_stats() needs at least "
-                f"one row per rank. Give every rank at least one row."
-            )
-        if exchange is not None:
-            what = "the window's statistics (all_reduce)"
-            exchange.comm.wait(exchange.comm.all_reduce(sums, what, "window statistics"), what)
-        window = _unflat(sums, spec, layout)
+        forwards = [(functools.partial(stats, full, mb), r) for mb, r in micro]
+        window = collect(call, forwards, failure, rng, exchange, index, _device(params))
         ctx.rng, ctx.next = rng, 0
         rng.end_of_pass()
         try:
@@ -177,6 +157,50 @@ def window_stats(
         return out  # type: ignore[no-any-return]
 
     return functools.wraps(loss)(step) if not torch.compiler.is_compiling() else step
+
+
+def collect(
+    call: str,
+    forwards: Sequence[tuple[Callable[[], Any], int]],
+    failure: Exception | None,
+    rng: RandomStates,
+    exchange: Exchange | None,
+    index: int,
+    device: torch.device,
+) -> Any:
+    """Pass 1: the window's statistics, summed over its micro-batches and the ranks.
+
+    ``forwards``: each micro-batch's ``stats`` call, and its rows; the random state before each
+    is kept in ``rng``. With ``exchange``, the sums are all-reduced over the ranks.
+    ``failure``: this rank failed before pass 1 (a batch that does not split); it joins the
+    agreement flagged, and every rank raises there, as for a failure in pass 1 itself.
+    """
+    sums: torch.Tensor | None = None
+    spec: Any = None
+    layout: Leaves | None = None
+    if failure is None:
+        try:
+            with torch.no_grad():
+                for j, (forward, _rows) in enumerate(forwards):
+                    rng.capture()
+                    sums, spec, layout = _add(call, j, forward(), sums, spec, layout)
+        except Exception as err:  # joined as failed below, then re-raised
+            failure = err
+    rows = sum(r for _, r in forwards) if failure is None else 0
+    if exchange is not None:
+        at = sums.device if sums is not None else device
+        exchange.agree(rows, failure is not None, layout, index, at)
+    if failure is not None:
+        raise failure
+    if sums is None or layout is None:  # no micro-batch on this rank, in one process
+        raise GradAccumError(
+            f"{call}: this rank has no rows in this window; window statistics need at least "
+            f"one row per rank. Give every rank at least one row."
+        )
+    if exchange is not None:
+        what = "the window's statistics (all_reduce)"
+        exchange.comm.wait(exchange.comm.all_reduce(sums, what, "window statistics"), what)
+    return _unflat(sums, spec, layout)
 
 
 def _device(params: Any) -> torch.device:

@@ -9,6 +9,7 @@ See the page "A whole training loop" (docs/loop.md).
 """
 
 from ._coupled import Coupled as Coupled
+from ._coupled import WindowStats as WindowStats
 from ._data import Windows as Windows
 from ._plan import DataWindow as DataWindow
 from ._progress import Progress as Progress
@@ -25,6 +26,7 @@ __all__ = [
     "Progress",
     "Step",
     "StepStats",
+    "WindowStats",
     "Windows",
     "load",
     "progress",

@@ -1,4 +1,4 @@
-"""A coupled loss in the loop: ``Coupled``, and ``Step.add_window``'s two passes over a window.
+"""Losses over a whole window in the loop: ``Coupled``, ``WindowStats`` and ``Step.add_window``.
 
 A loss that ties a window's examples together (in-batch negatives) needs the whole window at
 once, where [`Step.add()`][gradaccum.loop.Step.add] takes one micro-batch. With a
@@ -8,7 +8,9 @@ once, where [`Step.add()`][gradaccum.loop.Step.add] takes one micro-batch. With 
 step's own ``add``, one micro-batch at a time, with a surrogate loss whose backward is the
 micro-batch's slice of the representations' gradient and whose value is this rank's share of
 the objective (on the first micro-batch; 0 on the others), so that ``StepStats.loss`` is the
-objective. The step's window is then what ``add`` leaves it: saves after ``add_window`` and
+objective. A [`WindowStats`][gradaccum.loop.WindowStats] loss takes the window whole too: its
+statistics first (``_coupled/_stats.py``'s ``collect``), then each micro-batch through ``add``
+with them. The step's window is then what ``add`` leaves it: saves after ``add_window`` and
 before ``apply()`` are exact; a save in the middle of collecting a window is refused.
 """
 
@@ -23,10 +25,11 @@ import torch
 from .. import _tree
 from .._coupled._exchange import Exchange, Rows
 from .._coupled._replay import KeptBuffers, RandomStates, reraise
+from .._coupled._stats import collect
 from .._coupled._window import cache
 from .._errors import describe
 
-__all__ = ["Coupled", "add_window", "join_failed"]
+__all__ = ["Coupled", "WindowStats", "add_window", "join_failed"]
 
 
 class Coupled:
@@ -91,9 +94,73 @@ class Coupled:
         return f"Coupled({getattr(self.embed, '__name__', 'embed')}, {name})"
 
 
+class WindowStats:
+    """A loss that uses statistics of the whole window, for [`loop.Step`][gradaccum.loop.Step].
+
+    Pass it as the step's ``loss``; the step then takes whole windows
+    ([`Step.add_window(window)`][gradaccum.loop.Step.add_window]), as
+    [`window_stats()`][gradaccum.window_stats] does for functional params: ``stats`` runs on
+    every micro-batch without a graph, the results are summed over the window and the ranks,
+    then each micro-batch's ``loss`` is added with those sums as constants (pass 1's random
+    numbers replayed, BatchNorm statistics kept from the first pass). An MoE load-balancing
+    loss (each expert's share of the window's tokens times its mean router probability) is
+    then exact.
+
+    Args:
+        stats: ``stats(model, micro_batch) -> tree``: a pytree of tensors (counts, sums) of the
+            same shapes for every micro-batch and rank, summed in float64 (integer counts stay
+            exact) and given back in their dtypes.
+        loss: ``loss(model, micro_batch, window)``: the micro-batch's loss, as for a plain
+            ``Step`` under its ``reduction`` (a 0-dim tensor, or ``(loss, rows)``, or
+            ``(summed_loss, count)`` under ``"count"``), with ``window`` the sums.
+
+    Raises:
+        TypeError: ``stats`` or ``loss`` is not callable.
+
+    Examples:
+        >>> import torch, gradaccum
+        >>> from gradaccum.loop import Step, WindowStats
+        >>> model = torch.nn.Linear(3, 1).double()
+        >>> def positives(model, x):  # rows of the window with a positive first feature
+        ...     return (x[:, 0] > 0).sum()
+        >>> def loss(model, x, count):
+        ...     return model(x).pow(2).mean() / count
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> step = Step(model, WindowStats(positives, loss), opt)
+        >>> x = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0], [2.0, 1, 0]], dtype=torch.float64)
+        >>> step.add_window([x[:2], x[2:]])
+        >>> step.apply().micro_batches
+        2
+    """
+
+    def __init__(
+        self,
+        stats: Callable[[torch.nn.Module, Any], Any],
+        loss: Callable[[torch.nn.Module, Any, Any], Any],
+    ) -> None:
+        for arg, fn, shape in (
+            ("stats", stats, "stats(model, micro_batch) -> tree"),
+            ("loss", loss, "loss(model, micro_batch, window) -> loss"),
+        ):
+            if not callable(fn):
+                raise TypeError(
+                    f"WindowStats(stats, loss): {arg} must be a function {shape}, got "
+                    f"{describe(fn)}."
+                )
+        self.stats = stats
+        self.loss = loss
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss, "__name__", type(self.loss).__name__)
+        return f"WindowStats({getattr(self.stats, '__name__', 'stats')}, {name})"
+
+
 def _exchange(where: str, step: Any) -> Exchange | None:
     sync = step.sync
-    return Exchange(where, sync.data_group(), sync.timeout) if sync is not None else None
+    if sync is None:
+        return None
+    fn = "stats" if isinstance(step._coupled, WindowStats) else "embed"
+    return Exchange(where, sync.data_group(), sync.timeout, fn=fn)
 
 
 def join_failed(step: Any, err: BaseException) -> None:
@@ -107,8 +174,54 @@ def join_failed(step: Any, err: BaseException) -> None:
             step._joined = True
 
 
+def _stats_window(step: Any, batches: Iterable[Any]) -> None:
+    """``Step.add_window`` for a ``WindowStats`` loss: the statistics, then each micro-batch."""
+    where = "Step.add_window(batches)"
+    ws: WindowStats = step._coupled
+    model = step.model
+    step._joined = False
+    failure: Exception | None = None
+    try:
+        taken = list(batches)
+    except Exception as err:
+        if step._joined:  # the data's callback joined pass 1's agreement flagged already
+            raise
+        taken, failure = [], err
+    step._follow(where)
+    rng = RandomStates()
+    device = next(iter(model.parameters())).device
+    # Each micro-batch counts as one row in the agreement (its rows are the loss's business).
+    forwards = [(functools.partial(ws.stats, model, mb), 1) for mb in taken]
+    window = collect(where, forwards, failure, rng, _exchange(where, step), step.window, device)
+    at = [0]
+
+    def with_window(model: torch.nn.Module, mb: Any) -> Any:
+        j, at[0] = at[0], at[0] + 1
+        rng.replay(j)
+        return ws.loss(model, mb, window)
+
+    _feed(step, with_window, rng, taken)
+
+
+def _feed(step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[Any]) -> None:
+    """Pass 2: ``items`` through the step's own ``add``, with ``loss`` as its loss."""
+    rng.end_of_pass()
+    kept, step.loss = step.loss, loss
+    step._feeding = True
+    try:
+        with KeptBuffers():
+            for item in items:
+                step.add(item)
+    finally:
+        step.loss, step._feeding = kept, False
+        rng.restore()
+
+
 def add_window(step: Any, batches: Iterable[Any]) -> None:
     """``Step.add_window``: both passes over the window ``batches`` (see the module notes)."""
+    if isinstance(step._coupled, WindowStats):
+        _stats_window(step, batches)
+        return
     where = "Step.add_window(batches)"
     coupled: Coupled = step._coupled
     model = step.model
@@ -156,13 +269,4 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
             value = value + done.share
         return value, grads[0].shape[0]
 
-    rng.end_of_pass()
-    loss, step.loss = step.loss, surrogate
-    step._feeding = True
-    try:
-        with KeptBuffers():
-            for mb, grads in zip(taken, done.slices):
-                step.add((mb, grads))
-    finally:
-        step.loss, step._feeding = loss, False
-        rng.restore()
+    _feed(step, surrogate, rng, list(zip(taken, done.slices)))

@@ -43,7 +43,7 @@ from .._core.protocol import Window, check_sync
 from .._core.state import AccumState
 from .._errors import GradAccumError, describe
 from ..boundary import clip_by_global_norm
-from ._coupled import Coupled, add_window, join_failed
+from ._coupled import Coupled, WindowStats, add_window, join_failed
 from ._data import Windows
 from ._plan import DataWindow
 from ._source import run_token
@@ -179,7 +179,9 @@ class Step:
             Or a [`Coupled`][gradaccum.loop.Coupled] loss (in-batch negatives: a loss that
             compares the window's examples with each other): the step then takes whole
             windows, [`add_window(window)`][gradaccum.loop.Step.add_window], and its gradient
-            is that of the loss over the global window, exactly.
+            is that of the loss over the global window, exactly. Or a
+            [`WindowStats`][gradaccum.loop.WindowStats] loss (statistics of the whole window, as
+            an MoE load-balancing loss needs), which takes whole windows too.
             Under ``reduction="mean"``, the mean over the micro-batch's rows (see above; or
             return ``(loss, rows)``); under ``"sum"``, the sum; under ``"count"``,
             ``(summed_loss, count)``, e.g. the summed token loss and the number of tokens: the
@@ -252,15 +254,15 @@ class Step:
         accum_dtype: torch.dtype | None = None,
     ) -> None:
         where = "Step(model, loss, optimizer, ...)"
-        coupled = loss if isinstance(loss, Coupled) else None
-        if coupled is not None and reduction not in (None, "sum"):
+        coupled = loss if isinstance(loss, (Coupled, WindowStats)) else None
+        if isinstance(loss, Coupled) and reduction not in (None, "sum"):
             raise ValueError(
                 f"{where}: a Coupled loss returns this rank's share of the window's objective, "
                 f"and the shares are summed: reduction must be left out (or 'sum'), got "
                 f"reduction={reduction!r}; normalise inside the loss (divide by rows.total)."
             )
         if reduction is None:
-            reduction = "sum" if coupled is not None else "mean"
+            reduction = "sum" if isinstance(loss, Coupled) else "mean"
         if not isinstance(model, torch.nn.Module) or hasattr(model, "no_sync"):
             raise TypeError(
                 f"{where}: model must be a torch.nn.Module that is not wrapped in "
@@ -330,7 +332,9 @@ class Step:
         self.data = data
         self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
         # In the fingerprint: ranks built with another clip (or loss kind) would step apart.
-        kind_of_loss = "a coupled" if coupled is not None else "a per-micro-batch"
+        kind_of_loss = {Coupled: "a coupled", WindowStats: "a window-statistics"}.get(
+            type(loss), "a per-micro-batch"
+        )
         options = (f"Step(clip={clip!r}) with {kind_of_loss} loss",)
         object.__setattr__(self.acc, "_options", options)
         if sync is not None:
@@ -571,17 +575,21 @@ class Step:
             raise
 
     def add_window(self, batches: Any) -> None:
-        """Add a whole window at once, for a [`Coupled`][gradaccum.loop.Coupled] loss.
+        """Add a whole window at once, for a loss that needs all of its micro-batches.
 
-        Both passes of [`coupled()`][gradaccum.coupled] over ``batches`` (an iterable of
-        micro-batches: a [`DataWindow`][gradaccum.loop.DataWindow], or a list): every
+        For a [`Coupled`][gradaccum.loop.Coupled] or [`WindowStats`][gradaccum.loop.WindowStats]
+        loss. ``batches``: an iterable of micro-batches (a
+        [`DataWindow`][gradaccum.loop.DataWindow], or a list). A ``Coupled`` loss: both passes
+        of [`coupled()`][gradaccum.coupled], every
         micro-batch embedded without a graph, the representations of every rank gathered, the
         loss once on all of them, then each micro-batch again into the window's sums. Then
         call [`apply()`][gradaccum.loop.Step.apply] as usual; ``StepStats.loss`` is the
-        objective (the sum of the ranks' shares), ``StepStats.items`` the window's rows.
+        objective (the sum of the ranks' shares), ``StepStats.items`` the window's rows. A
+        ``WindowStats`` loss: its statistics over the window and the ranks first (without a
+        graph), then each micro-batch's loss with them, as ``add`` would run it.
 
         Raises:
-            TypeError: The step's loss is not a ``Coupled`` (use ``add``), or the
+            TypeError: The step's loss is neither (use ``add``), or the
                 representations or the loss are of the wrong kind (see
                 [`coupled()`][gradaccum.coupled]).
             ValueError: Micro-batches were added to this window already.
@@ -594,7 +602,9 @@ class Step:
             raise TypeError(
                 f"{where}: this step's loss is a per-micro-batch loss; add the window's "
                 f"micro-batches one by one with step.add(batch), or build the step with "
-                f"loss=gradaccum.loop.Coupled(embed, loss) for a loss that couples them."
+                f"loss=gradaccum.loop.Coupled(embed, loss) (a loss that couples them) or "
+                f"gradaccum.loop.WindowStats(stats, loss) (one that uses the window's "
+                f"statistics)."
             )
         if self.micro_step:
             if isinstance(batches, DataWindow) and batches.taken == self.micro_step:
