@@ -23,12 +23,11 @@ from .. import _split, _tree
 from .._autograd import check_no_transform, grad
 from .._core.accumulate import accumulate
 from .._core.protocol import LOCAL, Sync, check_sync
-from .._errors import GradAccumError, describe
+from .._errors import describe
 from .._layout import check_n
-from ..sharding._sharded import Sharded
-from ._exchange import Exchange, Rows
-from ._replay import KeptBuffers, RandomStates, renamed, reraise
-from ._window import cache
+from ._exchange import Rows
+from ._replay import RandomStates, reraise
+from ._window import cache, name_of, open_call, second_pass
 
 __all__ = ["coupled"]
 
@@ -150,7 +149,7 @@ def coupled(
             raise TypeError(
                 f"coupled(embed, loss, n): {arg} must be a function {shape}, got {describe(fn)}."
             )
-    where = f"coupled({_name(embed)}, {_name(loss)}, n={n!r})"
+    where = f"coupled({name_of(embed)}, {name_of(loss)}, n={n!r})"
     check_n(where, n)
     check_sync(where, sync)
     kind = sync if sync is not None else LOCAL
@@ -162,19 +161,13 @@ def coupled(
         call = f"{where}(params, batch)"
         check_no_transform(call)
         index, opened[0] = opened[0], opened[0] + 1
-        exchange = None
-        if kind is not LOCAL:
-            exchange = Exchange(call, kind.data_group(), kind.timeout)
-        forwards: list[tuple[Callable[[Any], Any], int | None]]
-        try:
-            micro = _split.split(call, batch, n, short_ok=exchange is not None)
-            forwards = [(functools.partial(_embed_with, embed, mb), r) for mb, r in micro]
-        except Exception as err:  # a bad batch on this rank: joined as failed in pass 1
-            if exchange is None:
-                raise
-            micro, forwards = [], [(functools.partial(reraise, err), None)]
-        full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
-        rng = RandomStates()
+        start = open_call(call, kind, params, batch, n, "embed")
+        full = start.params
+        forwards: list[tuple[Callable[[], Any], int | None]]
+        forwards = [(functools.partial(embed, full, mb), r) for mb, r in start.micro]
+        if start.failure is not None:
+            forwards = [(functools.partial(reraise, start.failure), None)]
+        # The loss's own params: leaves of their own, for its direct gradient (a temperature).
         pflat, pspec = _tree.flatten(full)
         mine = [
             t.detach().requires_grad_()
@@ -183,45 +176,25 @@ def coupled(
             for t in pflat
         ]
         at = [i for i, t in enumerate(mine) if isinstance(t, torch.Tensor) and t.requires_grad]
+        rng = RandomStates()
         done = cache(
             call,
-            [(functools.partial(f, full), r) for f, r in forwards],
+            forwards,
             lambda reps, rows: loss(_tree.unflatten(pspec, mine), reps, rows),
             [mine[i] for i in at],
             rng,
-            exchange,
+            start.exchange,
             index,
-            _device_of(full),
+            start.device,
         )
         # Pass 2: each micro-batch again, with its slice of the representations' gradient.
-        items = [(mb, g) for (mb, _), g in zip(micro, done.slices)]
-        direct = [(at[k], g) for k, g in done.direct]
-        ctx.rng, ctx.floating, ctx.direct, ctx.next = rng, done.leaves.floating, direct, 0
-        ctx.done = done
-        rng.end_of_pass()
+        items = [(mb, g) for (mb, _), g in zip(start.micro, done.slices)]
+        ctx.rng, ctx.floating, ctx.next, ctx.done = rng, done.leaves.floating, 0, done
+        ctx.direct = [(at[k], g) for k, g in done.direct]
         try:
-            with KeptBuffers():
-                grads = inner(params, _split.MicroBatches(items))
-        except GradAccumError as err:  # named after this call, not the inner accumulate
-            raise renamed(err, call) from err
+            grads = second_pass(call, rng, lambda: inner(params, _split.MicroBatches(items)))
         finally:
-            rng.restore()
             ctx.direct, ctx.done = [], None
         return grads, done.value
 
     return functools.wraps(embed)(step) if not torch.compiler.is_compiling() else step
-
-
-def _embed_with(embed: Callable[..., Any], mb: Any, params: Any) -> Any:
-    return embed(params, mb)
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _device_of(params: Any) -> torch.device:
-    for leaf in _tree.flatten(params)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")

@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from .. import _reduce, _split, _tree
+from .. import _reduce, _tree
 from .._autograd import check_no_transform, grad_and_value
 from .._core.accumulate import accumulate
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import GradAccumError, describe
 from .._layout import check_n
-from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Leaves
-from ._replay import KeptBuffers, RandomStates, renamed
+from ._replay import RandomStates
+from ._window import name_of, open_call, second_pass
 
 __all__ = ["collect", "window_stats"]
 
@@ -112,8 +112,7 @@ def window_stats(
                 f"window_stats(stats, loss, n): {arg} must be a function {shape}, got "
                 f"{describe(fn)}."
             )
-    where = f"window_stats({getattr(stats, '__name__', 'stats')}, "
-    where += f"{getattr(loss, '__name__', 'loss')}, n={n!r})"
+    where = f"window_stats({name_of(stats)}, {name_of(loss)}, n={n!r})"
     check_n(where, n)
     check_sync(where, sync)
     if reduction not in ("mean", "sum"):
@@ -130,31 +129,12 @@ def window_stats(
         call = f"{where}(params, batch)"
         check_no_transform(call)
         index, opened[0] = opened[0], opened[0] + 1
-        exchange = None
-        if kind is not LOCAL:
-            exchange = Exchange(call, kind.data_group(), kind.timeout, fn="stats")
-        failure: Exception | None = None
-        micro: list[tuple[Any, int]] = []
-        try:
-            micro = _split.split(call, batch, n, short_ok=exchange is not None)
-        except Exception as err:  # a bad batch on this rank: joined as failed below
-            if exchange is None:
-                raise
-            failure = err
-        full = params.gather(timeout=kind.timeout) if isinstance(params, Sharded) else params
+        start = open_call(call, kind, params, batch, n, "stats")
         rng = RandomStates()
-        forwards = [(functools.partial(stats, full, mb), r) for mb, r in micro]
-        window = collect(call, forwards, failure, rng, exchange, index, _device(params))
+        forwards = [(functools.partial(stats, start.params, mb), r) for mb, r in start.micro]
+        window = collect(call, forwards, start.failure, rng, start.exchange, index, start.device)
         ctx.rng, ctx.next = rng, 0
-        rng.end_of_pass()
-        try:
-            with KeptBuffers():
-                out = inner(params, batch, window)
-        except GradAccumError as err:  # named after this call, not the inner accumulate
-            raise renamed(err, call) from err
-        finally:
-            rng.restore()
-        return out  # type: ignore[no-any-return]
+        return second_pass(call, rng, lambda: inner(params, batch, window))  # type: ignore[no-any-return]
 
     return functools.wraps(loss)(step) if not torch.compiler.is_compiling() else step
 
@@ -201,13 +181,6 @@ def collect(
         what = "the window's statistics (all_reduce)"
         exchange.comm.wait(exchange.comm.all_reduce(sums, what, "window statistics"), what)
     return _unflat(sums, spec, layout)
-
-
-def _device(params: Any) -> torch.device:
-    for leaf in _tree.flatten(params)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")
 
 
 def _add(

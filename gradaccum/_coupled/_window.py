@@ -10,16 +10,86 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from .. import _tree
+from .. import _split, _tree
+from .._core.protocol import LOCAL, Sync
 from .._errors import GradAccumError, describe
+from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Leaves, Rows
-from ._replay import RandomStates
+from ._replay import KeptBuffers, RandomStates, renamed
 
-__all__ = ["Cached", "cache"]
+__all__ = ["Cached", "Opened", "cache", "name_of", "open_call", "second_pass"]
+
+T = TypeVar("T")
+
+
+def name_of(fn: Any) -> str:
+    """A function's name in a call shape: ``__name__``, or its type's."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The start of one call of ``coupled`` or ``window_stats``.
+
+    Attributes:
+        exchange: The call's collectives over the sync's data group; ``None`` in one process.
+        micro: The batch split as the inner ``accumulate`` will split it: ``(micro_batch, rows)``.
+        failure: The batch did not split on this rank (under a sync): it joins pass 1's
+            agreement flagged, so that every rank raises there.
+        params: The params pass 1 runs with (a ``Sharded``'s, gathered once).
+        device: Where the agreement's numbers go when no micro-batch says (the params').
+    """
+
+    exchange: Exchange | None
+    micro: list[tuple[Any, int]]
+    failure: Exception | None
+    params: Any
+    device: torch.device
+
+
+def open_call(call: str, sync: Sync, params: Any, batch: Any, n: int, fn: str) -> Opened:
+    """Open one call: its exchange, its micro-batches and its params for pass 1.
+
+    ``fn``: the function pass 1 runs, ``"embed"`` or ``"stats"``, as the messages name it.
+    """
+    exchange = None
+    if sync is not LOCAL:
+        exchange = Exchange(call, sync.data_group(), sync.timeout, fn=fn)
+    micro: list[tuple[Any, int]] = []
+    failure: Exception | None = None
+    try:
+        micro = _split.split(call, batch, n, short_ok=exchange is not None)
+    except Exception as err:  # a bad batch on this rank: joined as failed in pass 1
+        if exchange is None:
+            raise
+        failure = err
+    # Gathered whatever happened above: the other ranks gather too (the same collectives).
+    full = params.gather(timeout=sync.timeout) if isinstance(params, Sharded) else params
+    device = next(
+        (t.device for t in _tree.flatten(full)[0] if isinstance(t, torch.Tensor)),
+        torch.device("cpu"),
+    )
+    return Opened(exchange, micro, failure, full, device)
+
+
+def second_pass(call: str, rng: RandomStates, run: Callable[[], T]) -> T:
+    """Pass 2: ``run()`` with pass 1's random states to replay, and module buffers kept.
+
+    The random state ends as pass 1 left it; an error of the inner ``accumulate`` is named
+    after ``call``.
+    """
+    rng.end_of_pass()
+    try:
+        with KeptBuffers():
+            return run()
+    except GradAccumError as err:  # named after this call, not the inner accumulate
+        raise renamed(err, call) from err
+    finally:
+        rng.restore()
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ import torch
 
 from .. import _tree
 from .._coupled._exchange import Exchange, Rows
-from .._coupled._replay import KeptBuffers, RandomStates, reraise
+from .._coupled._replay import RandomStates, reraise
 from .._coupled._stats import collect
-from .._coupled._window import cache
+from .._coupled._window import cache, second_pass
 from .._errors import describe
 
 __all__ = ["Coupled", "WindowStats", "add_window", "join_failed"]
@@ -205,16 +205,17 @@ def _stats_window(step: Any, batches: Iterable[Any]) -> None:
 
 def _feed(step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[Any]) -> None:
     """Pass 2: ``items`` through the step's own ``add``, with ``loss`` as its loss."""
-    rng.end_of_pass()
+
+    def add_all() -> None:
+        for item in items:
+            step.add(item)
+
     kept, step.loss = step.loss, loss
     step._feeding = True
     try:
-        with KeptBuffers():
-            for item in items:
-                step.add(item)
+        second_pass("Step.add_window(batches)", rng, add_all)
     finally:
         step.loss, step._feeding = kept, False
-        rng.restore()
 
 
 def add_window(step: Any, batches: Iterable[Any]) -> None:
