@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import math
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 from _plot import loss_curves
+from _ranks import init_distributed, max_diff, worst_over_ranks
 from torch import nn
 from torch.func import functional_call, grad_and_value
 from tqdm import tqdm
@@ -94,31 +93,6 @@ def make_pairs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     words = torch.softmax(2.0 * concept @ to_words / CONCEPT**0.5, dim=1)
     captions = torch.multinomial(words, WORDS, replacement=True, generator=gen)
     return images, captions
-
-
-def init_distributed() -> tuple[int, int]:
-    """``(rank, world)``: the default gloo process group under torchrun, ``(0, 1)`` without."""
-    if "RANK" not in os.environ:
-        return 0, 1
-    if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
-        # Every rank is on this machine: keep gloo's traffic on the loopback interface.
-        names = [name for _, name in getattr(socket, "if_nameindex", list)()]
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if "lo0" in names else "lo")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def worst_over_ranks(*values: float) -> list[float]:
-    """The largest of each value over the ranks, so every rank reaches the same verdict."""
-    if not dist.is_initialized():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in sorted(a))
 
 
 def run(args: argparse.Namespace, rank: int, world: int) -> int:

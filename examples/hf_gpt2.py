@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
+from _ranks import init_distributed, max_diff, worst_over_ranks
 from torch import nn
 from transformers import BatchEncoding, GPT2Config, GPT2LMHeadModel
 
@@ -98,31 +97,6 @@ def shard(batch: BatchEncoding, rank: int, world: int) -> BatchEncoding:
 def tokens(batch: BatchEncoding) -> int:
     """The number of target tokens: non-padding labels after the shift by one."""
     return int((batch["labels"][:, 1:] != IGNORE).sum())
-
-
-def init_distributed() -> tuple[int, int]:
-    """``(rank, world)``: the default gloo process group under torchrun, ``(0, 1)`` without."""
-    if "RANK" not in os.environ:
-        return 0, 1
-    if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
-        # Every rank is on this machine: keep gloo's traffic on the loopback interface.
-        names = [name for _, name in getattr(socket, "if_nameindex", list)()]
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if "lo0" in names else "lo")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def worst_over_ranks(*values: float) -> list[float]:
-    """The largest of each value over the ranks, so every rank reaches the same verdict."""
-    if not dist.is_initialized():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def token_mean(model: nn.Module, batch: BatchEncoding) -> torch.Tensor:

@@ -113,6 +113,8 @@ def _gpt2() -> Any:
 
 def _example() -> Any:
     if "hf_gpt2" not in sys.modules:
+        if str(EXAMPLES) not in sys.path:  # its helpers (_ranks), as when run as a script
+            sys.path.append(str(EXAMPLES))
         spec = importlib.util.spec_from_file_location("hf_gpt2", EXAMPLES / "hf_gpt2.py")
         assert spec is not None
         assert spec.loader is not None
