@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
+from ._dist import inflight
 from ._dist.mesh import axis
 from ._dist.record import record
 from ._errors import describe, dtype_name
@@ -57,7 +58,9 @@ def sum_flat(tensors: list[torch.Tensor], pg: Any, purpose: str, dim: str | None
     for idx in _groups(tensors).values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         record("all_reduce", pg, flat.dtype, flat.numel(), purpose, dim)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        work.wait()
+        inflight.forget(pg, work)  # kept, so that the gloo worker never frees it (see inflight)
         _copy_back(flat, [tensors[i] for i in idx])
 
 
@@ -137,6 +140,7 @@ def compressed_all_reduce(
                 works.append((work, flat, run))
         for work, flat, run in works:
             work.wait()
+            inflight.forget(pg, work)  # kept: see sum_flat
             _copy_back(flat, [leaves[i] for i in run])
         return _tree.unflatten(spec, leaves), state
 
@@ -214,8 +218,9 @@ def topk_all_reduce(
                 gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                 w1 = gather(got_v, values, group=pg, async_op=True)
                 w2 = gather(got_i, top, group=pg, async_op=True)
-                w1.wait()
-                w2.wait()
+                for w in (w1, w2):
+                    w.wait()
+                    inflight.forget(pg, w)  # kept: see sum_flat
             _copy_back(torch.zeros_like(flat).index_add_(0, got_i, got_v), [leaves[i] for i in idx])
             _copy_back(flat, [errs[i] for i in idx])
         return _tree.unflatten(spec, leaves), errors

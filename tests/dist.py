@@ -140,3 +140,53 @@ def values(results: dict[int, tuple[Any, ...]], world: int = WORLD) -> list[Any]
     for r in range(world):
         assert results[r][0] == "ok", f"rank {r} raised:\n{results[r][3]}"
     return [results[r][1] for r in range(world)]
+
+
+def launch(
+    script: str, *args: str, env: dict[str, str] | None = None, deadline: float = 120.0
+) -> list[tuple[int | None, str, str]]:
+    """Run ``python script *args`` as 2 ranks, as torchrun would (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), each interpreter exiting by itself; each
+    rank's ``(exit code, stdout, stderr)``. Bounded: what still runs at ``deadline`` seconds
+    after the launch is killed (its stderr then ends with a ``HUNG`` line)."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    port = free_port()
+    root = str(Path(__file__).resolve().parents[1])
+    procs = []
+    for r in range(WORLD):
+        rank_env = {
+            **os.environ,
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "error",
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    end = time.monotonic() + deadline
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+            stderr += f"\nHUNG: still running {deadline:g} s after the launch (killed)"
+        out.append((p.returncode, stdout, stderr))
+    return out

@@ -31,7 +31,6 @@ import os
 import pickle
 import queue
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dist import free_port
+from dist import launch as launch_script
 from models import max_diff, mean_loss, mlp_params, regression_batch
 from torch.func import grad
 
@@ -872,43 +872,8 @@ EXIT_RUNS = {"loop": 5, "accumulate": 2}
 def _exit_launch(form: str) -> list[tuple[int | None, str, str]]:
     """Run ``exit_after_fault.py form`` as 2 ranks, as torchrun would; each rank's
     ``(exit code, stdout, stderr)``. Bounded: what still runs at the deadline is killed."""
-    port = free_port()
-    root = str(Path(__file__).resolve().parents[1])
-    procs = []
-    for r in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(r),
-            "WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "error",
-            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-            "T": str(EXIT_T),
-            "STALL": str(EXIT_STALL),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(EXIT_SCRIPT), form],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    end = time.monotonic() + EXIT_DEADLINE
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, stderr = p.communicate()
-            stderr += f"\nHUNG: still running {EXIT_DEADLINE:g} s after the launch (killed)"
-        out.append((p.returncode, stdout, stderr))
-    return out
+    env = {"T": str(EXIT_T), "STALL": str(EXIT_STALL)}
+    return launch_script(str(EXIT_SCRIPT), form, env=env, deadline=EXIT_DEADLINE)
 
 
 def _exit_problems(form: str, ranks: list[tuple[int | None, str, str]]) -> list[str]:

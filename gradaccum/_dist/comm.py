@@ -50,7 +50,7 @@ from .._errors import GradAccumError, misaligned
 from . import inflight
 from .broken import mark_broken
 from .buckets import TAIL
-from .mesh import Axis, axis
+from .mesh import Axis, axis, hold
 from .record import record
 
 __all__ = [
@@ -187,7 +187,10 @@ class Comm:
         self.where, self.timeout, self.check = where, timeout, check
         # Weakly: a window holds its Comm; a cycle would keep its buckets alive until a GC pass.
         self.window: Any = weakref.proxy(window) if window is not None else None
-        group, self.dim = group if isinstance(group, Axis) else axis(where, group)
+        try:
+            group, self.dim = group if isinstance(group, Axis) else axis(where, group)
+        except GradAccumError as err:  # a group held weakly (Axis) was freed
+            raise GradAccumError(f"{where}: {err}") from None
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"{where}: {what} needs torch.distributed initialised, but no process "
@@ -202,7 +205,17 @@ class Comm:
                 f"sync group {group_name(pg)}; build the sync with a group this rank belongs to "
                 f"(every rank must call dist.new_group with the same ranks)."
             )
-        self.group, self.rank, self.world = pg, rank, dist.get_world_size(pg)
+        self.rank, self.world = rank, dist.get_world_size(pg)
+        # Weakly: destroy_process_group() frees the group whatever keeps this Comm (see hold).
+        self._group = hold(pg)
+
+    @property
+    def group(self) -> Any:
+        """The process group the collectives run on (held weakly: see ``_dist.mesh.hold``)."""
+        try:
+            return self._group()
+        except GradAccumError as err:
+            raise GradAccumError(f"{self.where}: {err}") from None
 
     def all_reduce(
         self, tensor: torch.Tensor, what: str, purpose: str, op: Any = dist.ReduceOp.SUM

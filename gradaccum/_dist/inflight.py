@@ -35,6 +35,7 @@ __all__ = [
     "any_queued",
     "clock",
     "drop_queue",
+    "ended",
     "forget",
     "in_flight",
     "keep",
@@ -57,6 +58,14 @@ _IN_FLIGHT: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionar
 # object is gone takes the GIL to free it: during finalization CPython stops such a thread inside
 # the C++ destructor, and the process aborts ("terminate called without an active exception").
 _ABANDONED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+# The same holds after a collective ends normally: its worker thread drops its own reference a
+# moment after the waiter wakes, and were that the last one, the worker would free the tensors.
+# So the collectives that ended are kept too, tagged with the number of collectives started on
+# the group when they ended, and let go only once two more have started there (by then their
+# worker has long dropped its reference: Python's is the last, dropped holding the GIL). Those
+# of the last window stay until the group is freed, or the interpreter clears this module.
+_ENDED: weakref.WeakKeyDictionary[Any, list[tuple[int, Any]]] = weakref.WeakKeyDictionary()
+_STARTED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def in_flight(group: Any) -> list[Any]:
@@ -65,17 +74,33 @@ def in_flight(group: Any) -> list[Any]:
 
 
 def keep(group: Any, work: Any) -> None:
-    """Keep ``work``, a CPU collective just started on ``group``, until it is waited for."""
+    """Keep ``work``, a CPU collective just started on ``group``, until it is waited for.
+
+    The collectives that ended are kept a while longer (see ``_ENDED``): here, those that
+    ended before the last two collectives started on ``group`` are let go.
+    """
+    started = _STARTED[group] = _STARTED.get(group, 0) + 1
     works = _IN_FLIGHT.setdefault(group, [])
-    works[:] = [w for w in works if not w.is_completed()]  # waited for elsewhere
+    ended = _ENDED.setdefault(group, [])
+    ended[:] = [(t, w) for t, w in ended if t >= started - 2]
+    for w in works:
+        if w.is_completed():  # waited for elsewhere
+            ended.append((started - 1, w))
+    works[:] = [w for w in works if not w.is_completed()]
     works.append(work)
 
 
 def forget(group: Any, work: Any) -> None:
-    """``work`` was waited for: no longer in flight."""
+    """``work`` was waited for: no longer in flight (it is kept as ended, see ``_ENDED``)."""
     works = _IN_FLIGHT.get(group)
     if works:
         works[:] = [w for w in works if w is not work]
+    _ENDED.setdefault(group, []).append((_STARTED.get(group, 0), work))
+
+
+def ended(group: Any) -> list[Any]:
+    """The CPU collectives on ``group`` that ended and are still kept (see ``_ENDED``)."""
+    return [w for _, w in _ENDED.get(group, ())]
 
 
 def take(group: Any) -> list[Any]:

@@ -3,24 +3,83 @@
 A 1-D mesh stands for its process group. A 2-D mesh means hybrid sharding, as FSDP2 reads it:
 dim 0 replicates, dim 1 shards (HSDP). Only [`shard()`][gradaccum.shard] takes a 2-D mesh; a
 sync that reduces over one group refuses it with an error that says what to pass instead.
+
+A resolved group is held weakly ([`Axis`][gradaccum._dist.mesh.Axis], and through it every
+[`Comm`][gradaccum.sync.Comm]): ``torch.distributed.destroy_process_group()`` then frees it, and
+its backend's destructor joins the gloo worker threads there, while the interpreter runs. A group
+that outlived it (a windows, step or sync kept in a module global) was freed at interpreter exit
+instead, and a worker thread that released a collective's tensors then took the GIL during
+finalization: CPython ends such a thread inside a C++ destructor and the process aborts
+("terminate called without an active exception", exit code 134). ``docs/reliability.md`` has the
+whole story.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import describe, is_mesh
+from .._errors import GradAccumError, describe, is_mesh
 
-__all__ = ["Axis", "axes", "axis", "check_group", "is_mesh"]
+__all__ = ["Axis", "axes", "axis", "check_group", "hold", "is_mesh"]
 
 
-class Axis(NamedTuple):
-    """One process group a collective runs on, and the mesh dim it is (``None``: a bare group)."""
+def hold(group: Any) -> Callable[[], Any]:
+    """A function that returns ``group``, holding a process group weakly.
 
-    group: Any
-    dim: str | None = None
+    ``None`` (the default group, resolved later) and objects that take no weak reference (the
+    non-member sentinel) are held as they are. Calling it once the group was freed (after
+    ``destroy_process_group()``, with no other reference left) raises ``GradAccumError``.
+
+    Examples:
+        >>> hold(None)() is None
+        True
+    """
+    try:
+        ref = weakref.ref(group)
+    except TypeError:  # None, a sentinel: nothing to free
+        return lambda: group
+
+    def held() -> Any:
+        pg = ref()
+        if pg is None:
+            raise GradAccumError(
+                "the process group it was built with has been destroyed "
+                "(torch.distributed.destroy_process_group()) and freed; build the sync, the "
+                "windows and the step again after init_process_group(), or keep a reference to "
+                "a group you made yourself for as long as you use it."
+            )
+        return pg
+
+    return held
+
+
+class Axis:
+    """One process group a collective runs on (held weakly), and its mesh dim (``None``: none).
+
+    It unpacks as ``(group, dim)``. The group is held weakly (see ``hold``), so that
+    ``destroy_process_group()`` frees it whatever gradaccum object keeps the ``Axis``.
+    """
+
+    __slots__ = ("_group", "dim")
+
+    def __init__(self, group: Any, dim: str | None = None) -> None:
+        self._group = hold(group)
+        self.dim = dim
+
+    @property
+    def group(self) -> Any:
+        """The process group (``None``: the default group); raises once it was freed."""
+        return self._group()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.group, self.dim))
+
+    def __repr__(self) -> str:
+        return f"Axis(dim={self.dim!r})"
 
 
 def _dim_name(mesh: Any, d: int) -> str:

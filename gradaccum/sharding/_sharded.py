@@ -107,12 +107,22 @@ class Sharded:
         self.compute = dataclasses.replace(layout, dtypes=dtypes)
         self.names = plan.names
         """The parameter group of each shard tensor."""
-        self.group, self.rank, self.world = comm.group, comm.rank, comm.world
+        self.rank, self.world = comm.rank, comm.world
+        # The groups are held weakly (Axis): destroy_process_group() frees them.
         self.axis = Axis(comm.group, comm.dim)
         self.replicate_axis = None if rcomm is None else Axis(rcomm.group, rcomm.dim)
-        self.replicate = None if rcomm is None else rcomm.group
         self.replicas = 1 if rcomm is None else rcomm.world
         self.mesh: Any = None  # the DeviceMesh it was sharded over, if any
+
+    @property
+    def group(self) -> Any:
+        """The process group the shards are cut over (the mesh's shard dim)."""
+        return self.axis.group
+
+    @property
+    def replicate(self) -> Any:
+        """The group the shards are replicated over (a 2-D mesh's dim 0), or ``None``."""
+        return None if self.replicate_axis is None else self.replicate_axis.group
 
     def __repr__(self) -> str:
         full = sum(s.numel() for s in self.layout.shapes)
