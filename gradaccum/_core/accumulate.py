@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from .. import _reduce, _split
-from .._autograd import GradFn, check_argnums, check_no_transform, from_torch_func
+from .._autograd import GradFn, check_argnums, check_no_transform, from_torch_func, grad_on
 from .._errors import describe
 from .._layout import Layout, check_accum_dtype, check_n
 from . import engine
@@ -61,7 +61,9 @@ def accumulate(
     function (per-sample gradients); ``torch.compile`` over the returned function works. The
     returned gradients do not require grad: ``torch.autograd.functional.jacobian``, which runs
     no ``torch.func`` transform and cannot be detected, reports zeros for them under its
-    default ``strict=False``, as for any such output (``strict=True`` raises).
+    default ``strict=False``, as for any such output (``strict=True`` raises). Like
+    ``torch.func.grad``, it runs with autograd on whatever the caller's grad mode: under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` the gradients are the same, plain tensors.
 
     Args:
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
@@ -224,6 +226,7 @@ def accumulate(
     seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
     opened = [0]  # windows opened (failed ones too): the next window's index, on every rank
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
         check_no_transform(call)  # before anything: a refused call changes nothing

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import _reduce, _tree
-from .._autograd import CheckpointGuard, GradFn, explain_checkpoint
+from .._autograd import CheckpointGuard, GradFn, explain_checkpoint, holds_inference
 from .._errors import describe
 from .._layout import Layout, check_grads, weigh
 from .protocol import Sync, Window, WindowSpec
@@ -170,7 +170,13 @@ class WindowRun:
         if not micro:  # an empty batch runs nothing; the boundary still joins
             return
         mean_wide = opts.reduction == "mean" and window.layout.wide
-        fast = opts.fast is not None and not (opts.traceable and torch.compiler.is_compiling())
+        # Compiled, a torch.func step function is traced as it is; inference tensors cannot be
+        # autograd leaves nor saved for backward: torch.func.grad differentiates through them.
+        fast = (
+            opts.fast is not None
+            and not (opts.traceable and torch.compiler.is_compiling())
+            and not holds_inference((self.args, self.kwargs))
+        )
         if mean_wide and window.hint:
             self.divisor = window.hint
         elif mean_wide and window.prescale and fast:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import _split, _tree
-from .._autograd import check_no_transform, grad
+from .._autograd import check_no_transform, grad, grad_on
 from .._core.accumulate import accumulate
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import describe
@@ -157,6 +157,7 @@ def coupled(
     inner = accumulate(grad(ctx.surrogate), n, reduction="sum", sync=sync)
     opened = [0]
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
         call = f"{where}(params, batch)"
         check_no_transform(call)
@@ -167,10 +168,11 @@ def coupled(
         forwards = [(functools.partial(embed, full, mb), r) for mb, r in start.micro]
         if start.failure is not None:
             forwards = [(functools.partial(reraise, start.failure), None)]
-        # The loss's own params: leaves of their own, for its direct gradient (a temperature).
+        # The loss's own params: leaves of their own, for its direct gradient (a temperature);
+        # an inference tensor cannot be one: a plain copy stands for it.
         pflat, pspec = _tree.flatten(full)
         mine = [
-            t.detach().requires_grad_()
+            (t.clone() if t.is_inference() else t.detach()).requires_grad_()
             if isinstance(t, torch.Tensor) and t.is_floating_point()
             else t
             for t in pflat

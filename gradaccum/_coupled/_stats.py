@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import _reduce, _tree
-from .._autograd import check_no_transform, grad_and_value
+from .._autograd import check_no_transform, grad_and_value, grad_on
 from .._core.accumulate import accumulate
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import GradAccumError, describe
@@ -125,6 +125,7 @@ def window_stats(
     inner = accumulate(grad_and_value(ctx.step), n, reduction=reduction, sync=sync)
     opened = [0]
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
         call = f"{where}(params, batch)"
         check_no_transform(call)
