@@ -71,8 +71,10 @@ def window_stats(
 
     Args:
         stats: ``stats(params, micro_batch) -> tree``: a pytree of tensors (counts, sums),
-            shaped the same for every micro-batch and rank. They are summed in float64 and
-            returned in their own dtypes (integer counts stay exact up to 2**53).
+            shaped the same for every micro-batch and rank. They are summed in float64;
+            floating ones are returned in their own dtypes, integer and bool ones as int64, as
+            ``torch.sum`` returns them (a uint8 count does not wrap; counts are exact up to
+            2**53).
         loss: ``loss(params, micro_batch, window) -> scalar``: the micro-batch's loss given the
             window's sums, as for ``accumulate``'s step function under ``reduction``.
         n: The number of micro-batches (or a [`MicroBatches`][gradaccum.MicroBatches] batch).
@@ -209,13 +211,10 @@ def _add(
 
 
 def _unflat(sums: torch.Tensor, spec: Any, layout: Leaves) -> Any:
+    """The float64 sums as the statistics' tree; integer and bool sums in int64, as torch.sum."""
     out, at = [], 0
     for dtype, shape, w in zip(layout.dtypes, layout.shapes, layout.widths()):
         v = sums[at : at + w].reshape(shape)
-        out.append(
-            v.round().to(dtype)
-            if not dtype.is_floating_point and dtype != torch.bool
-            else v.to(dtype)
-        )
+        out.append(v.to(dtype) if dtype.is_floating_point else v.round().to(torch.int64))
         at += w
     return _tree.unflatten(spec, out)
