@@ -137,7 +137,9 @@ def accumulate(
             (at the call of the returned function).
         ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
             match ``params`` (the message names the key path); a call under a ``torch.func``
-            transform (the message names it and gives the fix). Nothing is mutated.
+            transform (the message names it and gives the fix); a call inside another
+            accumulated function's micro-batch loop with ``reduction="count"`` on either (nested
+            ``mean`` and ``sum`` are exact). Nothing is mutated.
         GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
             failed during the window, or a collective failed or timed out.
 
@@ -230,6 +232,7 @@ def accumulate(
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
         check_no_transform(call)  # before anything: a refused call changes nothing
+        engine.check_nesting(call, reduction)
         if len(args) <= top:
             raise TypeError(
                 f"{call}: expected the params at position(s) {list(grad_args)} and the batch "

@@ -22,6 +22,7 @@ import torch
 from .. import _split, _tree
 from .._autograd import check_no_transform, grad, grad_on
 from .._core.accumulate import accumulate
+from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import describe
 from .._layout import check_n
@@ -117,9 +118,10 @@ def coupled(
         TypeError: ``embed`` or ``loss`` is not callable; (when called) ``embed`` returned a
             non-tensor leaf or no floating leaf, or ``loss`` did not return a 0-dim floating
             tensor.
-        ValueError: ``n < 1``; (when called) a representation whose dim 0 is not the
-            micro-batch's rows, or micro-batches whose representations differ in tree, dtype or
-            shape.
+        ValueError: ``n < 1``; (when called) a call inside an accumulated function's
+            micro-batch loop (``accumulate(coupled(...), n)``: call it on the whole batch), a
+            representation whose dim 0 is not the micro-batch's rows, or micro-batches whose
+            representations differ in tree, dtype or shape.
         GradAccumError: With a sync: another rank failed, the ranks disagree on the
             representations' layout or on the window, or a collective failed.
 
@@ -161,6 +163,7 @@ def coupled(
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
         call = f"{where}(params, batch)"
         check_no_transform(call)
+        check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
         start = open_call(call, kind, params, batch, n, "embed")
         full = start.params

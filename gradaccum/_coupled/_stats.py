@@ -20,6 +20,7 @@ import torch
 from .. import _reduce, _tree
 from .._autograd import check_no_transform, grad_and_value, grad_on
 from .._core.accumulate import accumulate
+from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import GradAccumError, describe
 from .._layout import check_n
@@ -89,7 +90,9 @@ def window_stats(
     Raises:
         TypeError: ``stats`` or ``loss`` is not callable; (when called) ``stats`` returned a
             non-tensor leaf.
-        ValueError: ``n < 1``; micro-batches whose statistics differ in tree or shape.
+        ValueError: ``n < 1``; a call inside an accumulated function's micro-batch loop
+            (``accumulate(window_stats(...), n)``: call it on the whole batch); micro-batches
+            whose statistics differ in tree or shape.
         GradAccumError: With a sync: another rank failed in pass 1, or the ranks disagree on
             the statistics' layout or the window.
 
@@ -131,6 +134,7 @@ def window_stats(
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
         call = f"{where}(params, batch)"
         check_no_transform(call)
+        check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
         start = open_call(call, kind, params, batch, n, "stats")
         rng = RandomStates()
