@@ -85,7 +85,9 @@ def coupled(
 
     It costs about one more forward per micro-batch. Module buffers that the second forward
     changes (BatchNorm's running statistics) are put back as the first one left them, and the
-    random state ends as after one forward per micro-batch. See the page "Coupled losses"
+    random state ends as after one forward per micro-batch. Under ``torch.compile`` it runs
+    eagerly (a graph break): compile ``embed`` instead,
+    ``coupled(torch.compile(embed), loss, n)``. See the page "Coupled losses"
     (docs/coupled.md).
 
     Args:
@@ -202,4 +204,15 @@ def coupled(
             ctx.direct, ctx.done = [], None
         return grads, done.value
 
-    return functools.wraps(embed)(step) if not torch.compiler.is_compiling() else step
+    # Its two passes, random states and exchange are not traceable (Dynamo failed inside on a
+    # dict of representations): under torch.compile the call runs eagerly, through a clean graph
+    # break here. Compile embed and loss instead: coupled(torch.compile(embed), loss, n).
+    # (torch.compile of a disabled function would compile the function it wraps: hence run.)
+    eager = torch.compiler.disable(step)  # type: ignore[no-untyped-call]
+
+    def run(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return eager(params, batch)  # type: ignore[no-any-return]
+        return step(params, batch)
+
+    return functools.wraps(embed)(run) if not torch.compiler.is_compiling() else run
