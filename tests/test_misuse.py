@@ -2992,11 +2992,47 @@ case(
 )
 
 
+def per_sample_dicts() -> NS:
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        {
+            "x": torch.randn(6, 2, generator=g, dtype=F64),
+            "y": torch.randn(6, generator=g, dtype=F64),
+        }
+        for _ in range(4)
+    ]
+    return {"params": {"w": torch.zeros(2, dtype=F64)}, "batch": samples}
+
+
+def _samples_loss(p: Any, samples: Any) -> torch.Tensor:
+    return torch.stack([(s["x"] @ p["w"] - s["y"]).logsumexp(0) for s in samples]).mean()
+
+
+case(
+    "accumulate-a-list-of-per-sample-dicts",
+    per_sample_dicts,
+    lambda ns: gradaccum.accumulate(torch.func.grad(_samples_loss), 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "collate_fn=lambda x: x",
+    "MicroBatches",
+    item="35",
+)
+
+
 # -- the pinned messages -------------------------------------------------------------------------
 # The whole message of a case, character for character: a message changed on purpose is changed
 # here. (Cases without an entry check the words in their ``names`` only.)
 
 MESSAGES: dict[str, str] = {
+    "accumulate-a-list-of-per-sample-dicts": (
+        "accumulate(_samples_loss, n=2)(...): the batch is a Python list of 4 dicts of one "
+        "structure, per-sample containers as a DataLoader with collate_fn=lambda x: x gives; "
+        "gradaccum would split each of them along dim 0 of its own tensors (a sample's tokens), "
+        "not the list's samples. Collate the samples into one batch (tensors with a leading batch "
+        "dim: torch.utils.data.default_collate, or pad them), or pass "
+        "gradaccum.MicroBatches([...]) with the micro-batches you chose; if the elements are not "
+        "samples (two towers), pass them as a tuple."
+    ),
     "coupled-inside-accumulate": (
         "coupled(_embed, _info, n=2)(params, batch): called inside accumulate(_embed, n=2)(...)'s "
         "micro-batch loop, which runs it on each of its micro-batches alone: its loss would see "
