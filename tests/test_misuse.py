@@ -4264,3 +4264,17 @@ def test_loss_scale_state_loads_with_weights_only() -> None:
     loaded = torch.load(buffer, weights_only=True)
     assert loaded["loss_scale"] == state
     assert isinstance(loaded["loss_scale"], gradaccum.boundary.LossScaleState)
+
+
+def test_the_error_class_is_named_where_it_is_imported_from() -> None:
+    import pickle
+    import traceback
+
+    err = gradaccum.GradAccumError("f(x): went wrong; pass y.")
+    assert type(err).__module__ == "gradaccum"
+    assert "gradaccum.GradAccumError: f(x): went wrong" in "".join(
+        traceback.format_exception_only(type(err), err)
+    )
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is gradaccum.GradAccumError
+    assert str(back) == str(err)
