@@ -7,8 +7,9 @@ produces them, like a hand-written ``loss.backward()`` loop, and the boundary co
 bucket starts as soon as the last micro-batch has produced that bucket's gradients.
 
 Also here: the one ``argnums`` rule (``check_argnums``), the refusal of a call under a
-torch.func transform (``check_no_transform``), and the guard that makes activation checkpointing
-safe under that backward (``CheckpointGuard``).
+torch.func transform (``check_no_transform``), the guard that makes activation checkpointing
+safe under that backward (``CheckpointGuard``), and the grad mode every gradaccum call runs in,
+whatever its caller's (``grad_on``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -35,7 +36,42 @@ __all__ = [
     "from_torch_func",
     "grad",
     "grad_and_value",
+    "grad_on",
+    "holds_inference",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def grad_on(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` run with autograd recording on and inference mode off, whatever the caller's mode.
+
+    What ``torch.func.grad`` does inside: a gradient taken under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` is the gradient, not zeros, and the tensors a call makes (its
+    running sums, its results) are plain tensors, usable outside inference mode. Under
+    ``torch.compile`` the mode is the graph's, left as it is.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        ):
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def holds_inference(tree: Any) -> bool:
+    """Whether ``tree`` holds an inference tensor (one made under ``torch.inference_mode()``).
+
+    torch.autograd can neither make a leaf of one nor save one for backward, outside inference
+    mode; ``torch.func.grad`` differentiates through them: the fast path hands them to it.
+    """
+    return any(isinstance(t, torch.Tensor) and t.is_inference() for t in _tree.flatten(tree)[0])
 
 
 class GradFn:
@@ -66,14 +102,20 @@ class GradFn:
         """Whether the output is ``(grads, something)`` rather than ``grads``."""
         return self.with_value or self.has_aux
 
+    @grad_on
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where = f"{self!r}(...)"
         make_layout(where, self._target(where, args), None)  # floating leaves only
-        if torch.compiler.is_compiling() or active_transform() is not None:
-            # Dynamo does not trace torch.autograd.grad on fresh leaves, and a torch.func
+        if (
+            torch.compiler.is_compiling()
+            or active_transform() is not None
+            or holds_inference((args, kwargs))
+        ):
+            # Dynamo does not trace torch.autograd.grad on fresh leaves, a torch.func
             # transform around this call (vmap for per-sample gradients, jacrev for a Hessian)
-            # cannot see through torch.autograd: the torch.func function of the same name
-            # computes the same gradients, inside the graph and composed with the transform.
+            # cannot see through torch.autograd, and torch.autograd refuses inference tensors:
+            # the torch.func function of the same name computes the same gradients, inside the
+            # graph, composed with the transform, through inference tensors.
             func = torch.func.grad_and_value if self.with_value else torch.func.grad
             return func(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
         new_args, leaves, spec = self.alias(where, args)
@@ -114,12 +156,8 @@ class GradFn:
     def forward(
         self, where: str, args: Sequence[Any], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, Any]:
-        """Run ``fn`` with grad on: the attached loss, and the detached output beside the grads."""
-        if torch.is_grad_enabled():  # the common case, without a context manager's calls
-            out = self.fn(*args, **kwargs)
-        else:
-            with torch.enable_grad():
-                out = self.fn(*args, **kwargs)
+        """Run ``fn`` (under ``grad_on``): the attached loss, and the detached output beside it."""
+        out = self.fn(*args, **kwargs)
         if self.has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
                 raise TypeError(

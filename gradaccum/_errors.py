@@ -21,6 +21,10 @@ class GradAccumError(RuntimeError):
         True
     """
 
+    # Tracebacks and reprs name it where users import it from (the docs' name); pickle finds it
+    # there too.
+    __module__ = "gradaccum"
+
 
 def describe(value: Any) -> str:
     """A short description of a value for error messages: type, and shape/dtype for tensors."""

@@ -164,12 +164,38 @@ def _close(where: str, like: Any, tree: Any) -> Any:
     return _tree.map_(back, like, tree)
 
 
+def _check_not_samples(where: str, batch: Any) -> None:
+    """Refuse a Python list of per-sample containers, which would be split along each sample.
+
+    A DataLoader with ``collate_fn=lambda x: x`` gives one: its samples are the list's elements,
+    but a batch is split along dim 0 of its tensors, which is each sample's own (its tokens).
+    """
+    if type(batch) is not list or len(batch) < 2:
+        return
+    kinds = (Mapping, tuple, list)
+    if not isinstance(batch[0], kinds):
+        return
+    spec = _tree.flatten(batch[0])[1]
+    if any(not isinstance(b, kinds) or _tree.flatten(b)[1] != spec for b in batch[1:]):
+        return
+    raise ValueError(
+        f"{where}: the batch is a Python list of {len(batch)} {type(batch[0]).__name__}s of one "
+        f"structure, per-sample containers as a DataLoader with collate_fn=lambda x: x gives; "
+        f"gradaccum would split each of them along dim 0 of its own tensors (a sample's "
+        f"tokens), not the list's samples. Collate the samples into one batch (tensors with "
+        f"a leading batch dim: torch.utils.data.default_collate, or pad them), or pass "
+        f"gradaccum.MicroBatches([...]) with the micro-batches you chose; if the elements are "
+        f"not samples (two towers), pass them as a tuple."
+    )
+
+
 def split(where: str, batch: Any, n: int, *, short_ok: bool = False) -> list[tuple[Any, int]]:
     """``[(micro_batch, rows), ...]`` of ``batch`` (a ``MicroBatches`` is validated, used as given).
 
     With ``short_ok`` (a data-parallel rank's short last batch), fewer than ``n`` rows give one
     micro-batch per row, and 0 rows none.
     """
+    _check_not_samples(where, batch)
     opened = _open(batch) if not isinstance(batch, MicroBatches) else batch
     if opened is not batch:
         micro = split(where, opened, n, short_ok=short_ok)

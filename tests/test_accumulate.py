@@ -296,3 +296,13 @@ def test_count_leaf_reports_the_total_by_default() -> None:
     _, (loss, tokens) = step(params, batch)
     assert float(tokens) == float(batch["mask"].sum())
     assert abs(float(loss - token_mean_loss(params, batch))) < TIGHT
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_nested_accumulate_is_exact_under_mean_and_sum(reduction: str) -> None:
+    # Under "count" nesting is refused (tests/test_misuse.py): the inner result is normalised.
+    params, batch = mlp_params(), regression_batch(24)
+    loss = mean_loss if reduction == "mean" else sum_loss
+    inner = gradaccum.accumulate(grad(loss), 3, reduction=reduction)
+    got = gradaccum.accumulate(inner, 2, reduction=reduction)(params, batch)
+    assert max_diff(got, grad(loss)(params, batch)) < TIGHT

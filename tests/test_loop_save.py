@@ -591,8 +591,8 @@ def test_a_changed_n_is_refused_at_load_unchanged(checkpoint, change) -> None:
 @pytest.mark.parametrize(
     ("rows", "batch_size", "what"),
     [
-        (41, 3, "length is int 14, the checkpoint's int 13"),
-        (26, 2, "batch_size is int 2, the checkpoint's int 3"),
+        (41, 3, "length is 14 micro-batches, the checkpoint's 13 micro-batches"),
+        (26, 2, "batch size is 2 rows, the checkpoint's 3 rows"),
     ],
 )
 def test_a_changed_dataset_is_refused_at_load_unchanged(checkpoint, rows, batch_size, what) -> None:

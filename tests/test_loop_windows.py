@@ -337,7 +337,8 @@ def test_a_position_of_other_windows_is_refused() -> None:
         short.load_state_dict(sd)
     assert str(err.value) == (
         "windows(data, n=3).load_state_dict(state_dict): the data is not the checkpoint's: its "
-        "length is int 2, the checkpoint's int 9; resume with the data of the run that saved (a "
+        "length is 2 micro-batches, the checkpoint's 9 micro-batches; resume with the data of "
+        "the run that saved (a "
         "changed dataset, batch size or sampler would give other micro-batches without any "
         "error)."
     )

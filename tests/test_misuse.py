@@ -2906,11 +2906,148 @@ case(
 )
 
 
+# -- issue 35: compositions, messages (item="35") --------------------------------------------------
+
+
+def _embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ p["w"])
+
+
+def _info(p: Any, z: torch.Tensor, rows: gradaccum.Rows) -> torch.Tensor:
+    return (z[rows.local] @ z.T).logsumexp(-1).sum() / rows.total
+
+
+def coupled_inputs() -> NS:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "params": {"w": torch.randn(3, 4, generator=g, dtype=F64)},
+        "x": torch.randn(8, 3, generator=g, dtype=F64),
+    }
+
+
+def _positives(p: Any, batch: Any) -> torch.Tensor:
+    return (batch[0] > 0).sum()
+
+
+def _scaled(p: Any, batch: Any, count: torch.Tensor) -> torch.Tensor:
+    return mean_loss(p, batch) / count
+
+
+def _token_sum(p: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch
+    return ((x @ p["w"] - y) ** 2).sum(), torch.tensor(float(len(y)), dtype=F64)
+
+
+def _inner_count_step(n: int) -> Any:
+    return gradaccum.accumulate(
+        torch.func.grad_and_value(_token_sum, has_aux=True),
+        n,
+        has_aux=True,
+        reduction="count",
+        count=lambda aux: aux[1],
+    )
+
+
+case(
+    "coupled-inside-accumulate",
+    coupled_inputs,
+    lambda ns: gradaccum.accumulate(gradaccum.coupled(_embed, _info, 2), 2, has_aux=True)(
+        ns["params"], ns["x"]
+    ),
+    ValueError,
+    "micro-batch loop",
+    "on the whole batch",
+    item="35",
+)
+case(
+    "window_stats-inside-accumulate",
+    pb,
+    lambda ns: gradaccum.accumulate(
+        gradaccum.window_stats(_positives, _scaled, 2), 2, has_aux=True
+    )(ns["params"], ns["batch"]),
+    ValueError,
+    "window_stats(_positives, _scaled, n=2)(params, batch): called inside",
+    item="35",
+)
+case(
+    "accumulate-count-inside-accumulate-count",
+    pb,
+    lambda ns: gradaccum.accumulate(
+        _inner_count_step(2), 2, has_aux=True, reduction="count", count=lambda aux: aux[1]
+    )(ns["params"], ns["batch"]),
+    ValueError,
+    "reduction='count'",
+    "n the product",
+    item="35",
+)
+case(
+    "accumulate-count-inside-accumulate-mean",
+    pb,
+    lambda ns: gradaccum.accumulate(_inner_count_step(2), 2, has_aux=True)(
+        ns["params"], ns["batch"]
+    ),
+    ValueError,
+    "whose reduction is 'mean'",
+    item="35",
+)
+
+
+def per_sample_dicts() -> NS:
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        {
+            "x": torch.randn(6, 2, generator=g, dtype=F64),
+            "y": torch.randn(6, generator=g, dtype=F64),
+        }
+        for _ in range(4)
+    ]
+    return {"params": {"w": torch.zeros(2, dtype=F64)}, "batch": samples}
+
+
+def _samples_loss(p: Any, samples: Any) -> torch.Tensor:
+    return torch.stack([(s["x"] @ p["w"] - s["y"]).logsumexp(0) for s in samples]).mean()
+
+
+case(
+    "accumulate-a-list-of-per-sample-dicts",
+    per_sample_dicts,
+    lambda ns: gradaccum.accumulate(torch.func.grad(_samples_loss), 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "collate_fn=lambda x: x",
+    "MicroBatches",
+    item="35",
+)
+
+
 # -- the pinned messages -------------------------------------------------------------------------
 # The whole message of a case, character for character: a message changed on purpose is changed
 # here. (Cases without an entry check the words in their ``names`` only.)
 
 MESSAGES: dict[str, str] = {
+    "accumulate-a-list-of-per-sample-dicts": (
+        "accumulate(_samples_loss, n=2)(...): the batch is a Python list of 4 dicts of one "
+        "structure, per-sample containers as a DataLoader with collate_fn=lambda x: x gives; "
+        "gradaccum would split each of them along dim 0 of its own tensors (a sample's tokens), "
+        "not the list's samples. Collate the samples into one batch (tensors with a leading batch "
+        "dim: torch.utils.data.default_collate, or pad them), or pass "
+        "gradaccum.MicroBatches([...]) with the micro-batches you chose; if the elements are not "
+        "samples (two towers), pass them as a tuple."
+    ),
+    "coupled-inside-accumulate": (
+        "coupled(_embed, _info, n=2)(params, batch): called inside accumulate(_embed, n=2)(...)'s "
+        "micro-batch loop, which runs it on each of its micro-batches alone: its loss would see "
+        "only that part's examples and statistics, not the window's, and the result is not the "
+        "gradient of the objective. Call it on the whole batch instead: it splits the window into "
+        "micro-batches itself (pass a larger n for more of them)."
+    ),
+    "accumulate-count-inside-accumulate-count": (
+        "accumulate(_token_sum, n=2)(...): an accumulate with reduction='count' called inside "
+        "accumulate(_token_sum, n=2)(...)'s micro-batch loop, whose reduction is 'count': under "
+        "'count' a gradient is weighed by the items its summed loss covers, but an inner "
+        "accumulate returns its gradient already divided by its own weight, so the result is "
+        "not the gradient of the item mean. Use one accumulate over all the micro-batches (n the "
+        "product of the two, reduction='count'); nesting is exact under 'mean' and 'sum'."
+    ),
     "reduce_scatter-reduce_dtype-int": (
         "reduce_scatter(sharded, policy=..., gather=...): reduce_dtype must be a floating "
         "torch.dtype, got torch.int32; pass e.g. reduce_dtype=torch.bfloat16 (half the bytes of "
@@ -4127,3 +4264,17 @@ def test_loss_scale_state_loads_with_weights_only() -> None:
     loaded = torch.load(buffer, weights_only=True)
     assert loaded["loss_scale"] == state
     assert isinstance(loaded["loss_scale"], gradaccum.boundary.LossScaleState)
+
+
+def test_the_error_class_is_named_where_it_is_imported_from() -> None:
+    import pickle
+    import traceback
+
+    err = gradaccum.GradAccumError("f(x): went wrong; pass y.")
+    assert type(err).__module__ == "gradaccum"
+    assert "gradaccum.GradAccumError: f(x): went wrong" in "".join(
+        traceback.format_exception_only(type(err), err)
+    )
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is gradaccum.GradAccumError
+    assert str(back) == str(err)

@@ -247,3 +247,44 @@ def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank() -> None:
     for r in (r0, r1):
         assert "the ranks' statistics differ in key paths, dtypes or shapes" in r["layout"]
         assert float(r["after"]) < TOL
+
+
+def _narrow(rank: int, world: int) -> dict[str, Any]:
+    """A uint8 statistic of 200 per micro-batch: 200 + 200 wraps to 144 in uint8.
+
+    Integer and bool statistics come back as ``torch.sum`` returns their sum: int64.
+    """
+    seen: list[torch.Tensor] = []
+
+    def stats(p: Any, x: torch.Tensor) -> Any:
+        return {"big": torch.tensor(200, dtype=torch.uint8), "flag": (x > 0).any()}
+
+    def loss(p: Any, x: torch.Tensor, window: Any) -> torch.Tensor:
+        seen.extend((window["big"], window["flag"]))
+        return (x * p["w"]).sum() / window["big"]
+
+    x = torch.arange(1.0, 5.0, dtype=DT) + 4 * rank
+    sync = gradaccum.all_reduce() if world > 1 else None
+    grads, _ = gradaccum.window_stats(stats, loss, 2, sync=sync, reduction="sum")(
+        {"w": torch.tensor(1.0, dtype=DT)}, x
+    )
+    total = 200 * 2 * world
+    every = torch.arange(1.0, 4 * world + 1, dtype=DT)
+    return {
+        "counts": [(int(c), str(c.dtype)) for c in seen],
+        "diff": float((grads["w"] - every.sum() / total).abs()),
+        "total": total,
+    }
+
+
+def test_a_narrow_integer_statistic_is_summed_exactly() -> None:
+    out = _narrow(0, 1)
+    assert out["counts"] == [(400, "torch.int64"), (2, "torch.int64")] * 2  # not uint8 144
+    assert out["diff"] < TOL
+
+
+@pytest.mark.distributed
+def test_a_narrow_integer_statistic_is_summed_exactly_over_ranks() -> None:
+    for out in values(run(_narrow, timeout=120)):
+        assert out["counts"] == [(800, "torch.int64"), (4, "torch.int64")] * 2
+        assert out["diff"] < TOL

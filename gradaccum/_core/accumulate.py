@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from .. import _reduce, _split
-from .._autograd import GradFn, check_argnums, check_no_transform, from_torch_func
+from .._autograd import GradFn, check_argnums, check_no_transform, from_torch_func, grad_on
 from .._errors import describe
 from .._layout import Layout, check_accum_dtype, check_n
 from . import engine
@@ -61,7 +61,9 @@ def accumulate(
     function (per-sample gradients); ``torch.compile`` over the returned function works. The
     returned gradients do not require grad: ``torch.autograd.functional.jacobian``, which runs
     no ``torch.func`` transform and cannot be detected, reports zeros for them under its
-    default ``strict=False``, as for any such output (``strict=True`` raises).
+    default ``strict=False``, as for any such output (``strict=True`` raises). Like
+    ``torch.func.grad``, it runs with autograd on whatever the caller's grad mode: under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` the gradients are the same, plain tensors.
 
     Args:
         step_fn: A function ``(params, batch, *args, **kwargs) -> grads``, or
@@ -135,7 +137,9 @@ def accumulate(
             (at the call of the returned function).
         ValueError: Wrong values: ``n < 1``, a batch that cannot be split, gradients that do not
             match ``params`` (the message names the key path); a call under a ``torch.func``
-            transform (the message names it and gives the fix). Nothing is mutated.
+            transform (the message names it and gives the fix); a call inside another
+            accumulated function's micro-batch loop with ``reduction="count"`` on either (nested
+            ``mean`` and ``sum`` are exact). Nothing is mutated.
         GradAccumError: With ``sync``: the ranks disagree on the gradient tree, another rank
             failed during the window, or a collective failed or timed out.
 
@@ -224,9 +228,11 @@ def accumulate(
     seen: list[Layout] = []  # the last layout: a rank failing before it knows its own joins
     opened = [0]  # windows opened (failed ones too): the next window's index, on every rank
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
         call = f"{where}(...)"
         check_no_transform(call)  # before anything: a refused call changes nothing
+        engine.check_nesting(call, reduction)
         if len(args) <= top:
             raise TypeError(
                 f"{call}: expected the params at position(s) {list(grad_args)} and the batch "

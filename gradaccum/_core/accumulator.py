@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _metrics, _reduce, _tree
-from .._autograd import check_no_transform
+from .._autograd import check_no_transform, grad_on
 from .._layout import check_accum_dtype, check_grads, check_n, micro_weight
 from .._metrics import WindowStats
 from .protocol import LOCAL, Sync, Window, WindowSpec, check_sync
@@ -176,6 +176,7 @@ class Accumulator:
         check_state(f"{self._where}.is_complete(state)", state)
         return state.micro_step >= self.window_size(state)
 
+    @grad_on  # sums made under torch.inference_mode() stay usable outside it
     def add(
         self,
         state: AccumState[T],
@@ -239,6 +240,7 @@ class Accumulator:
             )
         return pass_on(state, new, "add()")
 
+    @grad_on
     def finalize(self, state: AccumState[T]) -> tuple[T, AccumState[T]]:
         """Close the window: return its gradients and a fresh state for the next window.
 
@@ -260,6 +262,7 @@ class Accumulator:
         grads, new, _ = self._close(f"{self._where}.finalize(state)", state, "finalize()")
         return grads, new
 
+    @grad_on
     def boundary(self, state: AccumState[T]) -> tuple[T, AccumState[T], WindowStats]:
         """Close the window like [`finalize()`][gradaccum.Accumulator.finalize], with its stats.
 

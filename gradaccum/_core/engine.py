@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +32,55 @@ from typing import Any
 import torch
 
 from .. import _reduce, _tree
-from .._autograd import CheckpointGuard, GradFn, explain_checkpoint
+from .._autograd import CheckpointGuard, GradFn, explain_checkpoint, holds_inference
 from .._errors import describe
 from .._layout import Layout, check_grads, weigh
 from .protocol import Sync, Window, WindowSpec
 
-__all__ = ["RunOptions", "WindowRun"]
+__all__ = ["RunOptions", "WindowRun", "check_nesting"]
+
+# The accumulated calls whose micro-batches run in this thread, outermost first: (call, reduction).
+# A gradaccum call made by a step function is nested in the last one (check_nesting).
+_running = threading.local()
+
+
+def _calls() -> list[tuple[str, str]]:
+    calls: list[tuple[str, str]] | None = getattr(_running, "calls", None)
+    if calls is None:
+        calls = _running.calls = []
+    return calls
+
+
+def check_nesting(call: str, reduction: str | None) -> None:
+    """Refuse a call made inside an accumulated call's micro-batch loop that would be wrong there.
+
+    ``reduction``: the nested ``accumulate``'s; ``None`` for a transform over a whole window
+    (``coupled``, ``window_stats``), which a micro-batch loop would run on each part of the
+    window alone. A nested ``accumulate`` is exact under ``mean`` and ``sum``: only ``count``,
+    on either, is refused (the outer loop would weigh the inner result, already divided by its
+    own count, as a summed gradient).
+    """
+    calls = _calls()
+    if not calls:
+        return
+    outer, outer_reduction = calls[-1]
+    if reduction is None:
+        raise ValueError(
+            f"{call}: called inside {outer}'s micro-batch loop, which runs it on each of its "
+            f"micro-batches alone: its loss would see only that part's examples and "
+            f"statistics, not the window's, and the result is not the gradient of the "
+            f"objective. Call it on the whole batch instead: it splits the window into "
+            f"micro-batches itself (pass a larger n for more of them)."
+        )
+    if "count" in (reduction, outer_reduction):
+        raise ValueError(
+            f"{call}: an accumulate with reduction={reduction!r} called inside {outer}'s "
+            f"micro-batch loop, whose reduction is {outer_reduction!r}: under 'count' a gradient "
+            f"is weighed by the items its summed loss covers, but an inner accumulate returns "
+            f"its gradient already divided by its own weight, so the result is not the gradient "
+            f"of the item mean. Use one accumulate over all the micro-batches (n the product of "
+            f"the two, reduction='count'); nesting is exact under 'mean' and 'sum'."
+        )
 
 
 @dataclass(frozen=True)
@@ -170,15 +214,29 @@ class WindowRun:
         if not micro:  # an empty batch runs nothing; the boundary still joins
             return
         mean_wide = opts.reduction == "mean" and window.layout.wide
-        fast = opts.fast is not None and not (opts.traceable and torch.compiler.is_compiling())
+        # Compiled, a torch.func step function is traced as it is; inference tensors cannot be
+        # autograd leaves nor saved for backward: torch.func.grad differentiates through them.
+        fast = (
+            opts.fast is not None
+            and not (opts.traceable and torch.compiler.is_compiling())
+            and not holds_inference((self.args, self.kwargs))
+        )
         if mean_wide and window.hint:
             self.divisor = window.hint
         elif mean_wide and window.prescale and fast:
             self.divisor = sum([rows for _, rows in micro])
-        if fast:
-            self._fast(micro)
-        else:
+        if torch.compiler.is_compiling():  # traced: the generic path, nothing nested to see
             self._generic(micro)
+            return
+        calls = _calls()
+        calls.append((self.call, opts.reduction))
+        try:
+            if fast:
+                self._fast(micro)
+            else:
+                self._generic(micro)
+        finally:
+            calls.pop()
 
     def finish(self) -> Any:
         """The boundary: the one place that communicates (with ``sync=``); the call's result."""

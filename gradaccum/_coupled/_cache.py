@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from .. import _split, _tree
-from .._autograd import check_no_transform, grad
+from .._autograd import check_no_transform, grad, grad_on
 from .._core.accumulate import accumulate
+from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import describe
 from .._layout import check_n
@@ -84,7 +85,9 @@ def coupled(
 
     It costs about one more forward per micro-batch. Module buffers that the second forward
     changes (BatchNorm's running statistics) are put back as the first one left them, and the
-    random state ends as after one forward per micro-batch. See the page "Coupled losses"
+    random state ends as after one forward per micro-batch. Under ``torch.compile`` it runs
+    eagerly (a graph break): compile ``embed`` instead,
+    ``coupled(torch.compile(embed), loss, n)``. See the page "Coupled losses"
     (docs/coupled.md).
 
     Args:
@@ -117,9 +120,10 @@ def coupled(
         TypeError: ``embed`` or ``loss`` is not callable; (when called) ``embed`` returned a
             non-tensor leaf or no floating leaf, or ``loss`` did not return a 0-dim floating
             tensor.
-        ValueError: ``n < 1``; (when called) a representation whose dim 0 is not the
-            micro-batch's rows, or micro-batches whose representations differ in tree, dtype or
-            shape.
+        ValueError: ``n < 1``; (when called) a call inside an accumulated function's
+            micro-batch loop (``accumulate(coupled(...), n)``: call it on the whole batch), a
+            representation whose dim 0 is not the micro-batch's rows, or micro-batches whose
+            representations differ in tree, dtype or shape.
         GradAccumError: With a sync: another rank failed, the ranks disagree on the
             representations' layout or on the window, or a collective failed.
 
@@ -157,9 +161,11 @@ def coupled(
     inner = accumulate(grad(ctx.surrogate), n, reduction="sum", sync=sync)
     opened = [0]
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
         call = f"{where}(params, batch)"
         check_no_transform(call)
+        check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
         start = open_call(call, kind, params, batch, n, "embed")
         full = start.params
@@ -167,10 +173,11 @@ def coupled(
         forwards = [(functools.partial(embed, full, mb), r) for mb, r in start.micro]
         if start.failure is not None:
             forwards = [(functools.partial(reraise, start.failure), None)]
-        # The loss's own params: leaves of their own, for its direct gradient (a temperature).
+        # The loss's own params: leaves of their own, for its direct gradient (a temperature);
+        # an inference tensor cannot be one: a plain copy stands for it.
         pflat, pspec = _tree.flatten(full)
         mine = [
-            t.detach().requires_grad_()
+            (t.clone() if t.is_inference() else t.detach()).requires_grad_()
             if isinstance(t, torch.Tensor) and t.is_floating_point()
             else t
             for t in pflat
@@ -197,4 +204,15 @@ def coupled(
             ctx.direct, ctx.done = [], None
         return grads, done.value
 
-    return functools.wraps(embed)(step) if not torch.compiler.is_compiling() else step
+    # Its two passes, random states and exchange are not traceable (Dynamo failed inside on a
+    # dict of representations): under torch.compile the call runs eagerly, through a clean graph
+    # break here. Compile embed and loss instead: coupled(torch.compile(embed), loss, n).
+    # (torch.compile of a disabled function would compile the function it wraps: hence run.)
+    eager = torch.compiler.disable(step)  # type: ignore[no-untyped-call]
+
+    def run(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return eager(params, batch)  # type: ignore[no-any-return]
+        return step(params, batch)
+
+    return functools.wraps(embed)(run) if not torch.compiler.is_compiling() else run

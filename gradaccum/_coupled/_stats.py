@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from .. import _reduce, _tree
-from .._autograd import check_no_transform, grad_and_value
+from .._autograd import check_no_transform, grad_and_value, grad_on
 from .._core.accumulate import accumulate
+from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import GradAccumError, describe
 from .._layout import check_n
@@ -71,8 +72,10 @@ def window_stats(
 
     Args:
         stats: ``stats(params, micro_batch) -> tree``: a pytree of tensors (counts, sums),
-            shaped the same for every micro-batch and rank. They are summed in float64 and
-            returned in their own dtypes (integer counts stay exact up to 2**53).
+            shaped the same for every micro-batch and rank. They are summed in float64;
+            floating ones are returned in their own dtypes, integer and bool ones as int64, as
+            ``torch.sum`` returns them (a uint8 count does not wrap; counts are exact up to
+            2**53).
         loss: ``loss(params, micro_batch, window) -> scalar``: the micro-batch's loss given the
             window's sums, as for ``accumulate``'s step function under ``reduction``.
         n: The number of micro-batches (or a [`MicroBatches`][gradaccum.MicroBatches] batch).
@@ -87,7 +90,9 @@ def window_stats(
     Raises:
         TypeError: ``stats`` or ``loss`` is not callable; (when called) ``stats`` returned a
             non-tensor leaf.
-        ValueError: ``n < 1``; micro-batches whose statistics differ in tree or shape.
+        ValueError: ``n < 1``; a call inside an accumulated function's micro-batch loop
+            (``accumulate(window_stats(...), n)``: call it on the whole batch); micro-batches
+            whose statistics differ in tree or shape.
         GradAccumError: With a sync: another rank failed in pass 1, or the ranks disagree on
             the statistics' layout or the window.
 
@@ -125,9 +130,11 @@ def window_stats(
     inner = accumulate(grad_and_value(ctx.step), n, reduction=reduction, sync=sync)
     opened = [0]
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
         call = f"{where}(params, batch)"
         check_no_transform(call)
+        check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
         start = open_call(call, kind, params, batch, n, "stats")
         rng = RandomStates()
@@ -208,13 +215,10 @@ def _add(
 
 
 def _unflat(sums: torch.Tensor, spec: Any, layout: Leaves) -> Any:
+    """The float64 sums as the statistics' tree; integer and bool sums in int64, as torch.sum."""
     out, at = [], 0
     for dtype, shape, w in zip(layout.dtypes, layout.shapes, layout.widths()):
         v = sums[at : at + w].reshape(shape)
-        out.append(
-            v.round().to(dtype)
-            if not dtype.is_floating_point and dtype != torch.bool
-            else v.to(dtype)
-        )
+        out.append(v.to(dtype) if dtype.is_floating_point else v.round().to(torch.int64))
         at += w
     return _tree.unflatten(spec, out)

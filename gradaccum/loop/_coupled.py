@@ -108,8 +108,9 @@ class WindowStats:
 
     Args:
         stats: ``stats(model, micro_batch) -> tree``: a pytree of tensors (counts, sums) of the
-            same shapes for every micro-batch and rank, summed in float64 (integer counts stay
-            exact) and given back in their dtypes.
+            same shapes for every micro-batch and rank, summed in float64 and given back in
+            their floating dtypes, or as int64 for integer and bool ones (``torch.sum``'s dtype:
+            a uint8 count does not wrap; counts are exact up to 2**53).
         loss: ``loss(model, micro_batch, window)``: the micro-batch's loss, as for a plain
             ``Step`` under its ``reduction`` (a 0-dim tensor, or ``(loss, rows)``, or
             ``(summed_loss, count)`` under ``"count"``), with ``window`` the sums.

@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from .._errors import GradAccumError, describe
+from .._errors import GradAccumError
 from ._plan import (
     END,
     FIX,
@@ -798,7 +798,7 @@ class Windows(Generic[B]):
         data = self._source.of(sd["epoch"])
         now = identity(data)
         differ = [
-            f"its {key} is {describe(now.get(key))}, the checkpoint's {describe(saved)}"
+            _differs(key, now.get(key), saved)
             for key, saved in sd["identity"].items()
             if now.get(key) != saved
         ]
@@ -836,3 +836,24 @@ class Windows(Generic[B]):
         self._agreed = None
         self._snapshot = None
         self._resume = dict(sd)
+
+
+# How a difference in the data's identity (``_source.identity``) is said: its words, its unit.
+_WORDS = {
+    "length": ("length", " micro-batches"),
+    "batch_size": ("batch size", " rows"),
+    "dataset": ("dataset", ""),
+    "dataset_length": ("dataset's length", " samples"),
+    "kind": ("kind", ""),
+    "sampler": ("sampler", ""),
+}
+
+
+def _differs(key: str, now: Any, saved: Any) -> str:
+    """``its length is 19 micro-batches, the checkpoint's 13``: one difference, in plain words."""
+    words, unit = _WORDS.get(key, (key.replace("sampler.", "sampler's "), ""))
+
+    def say(v: Any) -> str:
+        return "not known" if v is None else f"{v}{unit}" if isinstance(v, int) else f"{v}"
+
+    return f"its {words} is {say(now)}, the checkpoint's {say(saved)}"

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .. import _metrics, _reduce, _tree
+from .._autograd import grad_on
 from .._checks import positive
 from .._core.accumulator import Accumulator
 from .._core.protocol import Window, check_sync
@@ -500,6 +501,7 @@ class Step:
         sums["saves"] = self._on_device(("saves", c), (1.0, c, c * c))
         return state._replace(metrics=dict(sorted(sums.items())))
 
+    @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def add(self, batch: Any) -> None:
         """Run one micro-batch: the loss, its backward into the window's sums, its statistics.
 
@@ -574,6 +576,7 @@ class Step:
                 self._drop()
             raise
 
+    @grad_on
     def add_window(self, batches: Any) -> None:
         """Add a whole window at once, for a loss that needs all of its micro-batches.
 
@@ -727,6 +730,7 @@ class Step:
         self._win = None
         self._adopting = False
 
+    @grad_on
     def apply(self) -> StepStats:
         """Close the window: boundary, clip, ``.grad``, one optimizer and scheduler step.
 
