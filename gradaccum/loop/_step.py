@@ -42,6 +42,8 @@ from .._core.accumulator import Accumulator
 from .._core.protocol import Window, check_sync
 from .._core.state import AccumState
 from .._errors import GradAccumError, describe
+from .._kinds import Mean, Sum
+from .._layout import check_grads
 from ..boundary import clip_by_global_norm
 from ._coupled import Coupled, WindowStats, add_window, join_failed
 from ._data import Windows
@@ -99,9 +101,10 @@ def _rows(where: str, batch: Any, reduction: str) -> int:
     rule = f"under reduction={reduction!r} a micro-batch " + (
         "weighs its rows" if reduction == "mean" else "counts its rows (StepStats.items)"
     )
+    kind = "Mean" if reduction == "mean" else "Sum"
     fix = (
-        f"return (loss, rows) from the loss function, rows the number of examples its "
-        f"{reduction} covers (e.g. (loss, len(batch['input_ids'])))"
+        f"return gradaccum.{kind}(loss, rows) from the loss function, rows the number of "
+        f"examples it covers (e.g. gradaccum.{kind}(loss, len(batch['input_ids'])))"
     )
     if not leaves:
         raise ValueError(
@@ -123,6 +126,15 @@ def _rows(where: str, batch: Any, reduction: str) -> int:
         f"batch{pa} has {ra} along dim 0 and batch{pb} has {rb}, so the rows are not known; "
         f"{fix}."
     )
+
+
+def _tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _one(x: Any) -> bool:
+    """Whether ``x`` is the number 1 (a scale that changes nothing)."""
+    return isinstance(x, (int, float)) and x == 1
 
 
 def _takes_metric(scheduler: Any) -> bool:
@@ -330,12 +342,18 @@ class Step:
         self.reduction = reduction
         self.sync = sync
         self.data = data
-        self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
-        # In the fingerprint: ranks built with another clip (or loss kind) would step apart.
+        # Under "mean" the window's weight is its items: rows (a bare loss) or a Mean's or Sum's
+        # n, a number or a tensor; the sums are divided by it as under "count".
+        self.acc = Accumulator(OPEN, "sum" if reduction == "sum" else "count", accum_dtype, sync)
+        # In the fingerprint: ranks built with another clip, reduction (the accumulator's is
+        # "count" for both "mean" and "count") or loss kind would step apart.
         kind_of_loss = {Coupled: "a coupled", WindowStats: "a window-statistics"}.get(
             type(loss), "a per-micro-batch"
         )
-        options = (f"Step(clip={clip!r}) with {kind_of_loss} loss",)
+        options = (
+            f"Step(clip={clip!r}) with {kind_of_loss} loss",
+            f"Step(reduction={reduction!r})",
+        )
         object.__setattr__(self.acc, "_options", options)
         if sync is not None:
             run_token()  # the checkpoints' run token, read while every rank is surely there
@@ -443,20 +461,53 @@ class Step:
         """The micro-batches this rank added to the window in progress."""
         return self.state.micro_step
 
-    def _split(self, where: str, out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
-        """The loss to differentiate and its weight (rows or count), checked."""
-        if self.reduction == "count":
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise TypeError(
-                    f"{where}: with reduction='count' the loss function must return "
-                    f"(summed_loss, count), got {describe(out)}; return e.g. "
-                    f"(loss_sum, (labels != -100).sum())."
+    def _split(self, where: str, out: Any, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+        """What the loss returned: ``(loss, scale, items)``, checked.
+
+        The backward of ``loss * scale`` goes into the window's sums, ``items`` into its weight
+        and ``loss * scale`` into its loss sum: a bare loss (a mean over the rows) and a ``Mean``
+        are scaled by their items, a ``Sum`` is not (nor anything under ``"sum"``).
+        """
+        red = self.reduction
+        if isinstance(out, (Mean, Sum)):
+            kind = type(out).__name__
+            if red != "mean" and isinstance(out, Mean):
+                fix = (
+                    "return gradaccum.Sum(loss * n, n) (the sum over the n items), or drop "
+                    "reduction='count' (a Mean is then weighted by its n)"
+                    if red == "count"
+                    else "return the summed loss, gradaccum.Sum(loss * n, n), or drop "
+                    "reduction='sum' to take the mean over the window's items"
                 )
-            value, weight = out
-        elif isinstance(out, (tuple, list)) and len(out) == 2:
-            value, weight = out
+                raise TypeError(
+                    f"{where}: the loss function returned gradaccum.Mean(loss, n), but under "
+                    f"reduction={red!r} every micro-batch returns a sum over its items; {fix}."
+                )
+            value, scale, items = out.loss, (out.n if kind == "Mean" else 1), out.n
+        elif isinstance(out, (tuple, list)):
+            got = ", ".join(
+                "tensor" if isinstance(x, torch.Tensor) else type(x).__name__ for x in out
+            )
+            raise TypeError(
+                f"{where}: the loss function returned a {len(out)}-{type(out).__name__} "
+                f"({got}), which does not say what the loss is; return gradaccum.Mean(loss, n) "
+                f"for a mean over n items (rows or tokens) or gradaccum.Sum(loss_sum, n) for a "
+                f"sum over n items (a token loss returned as (summed_loss, count) without "
+                f"reduction='count' would otherwise be taken as a mean over count rows)."
+            )
+        elif red == "count":
+            raise TypeError(
+                f"{where}: under reduction='count' the loss function returns "
+                f"gradaccum.Sum(summed_loss, count), got {describe(out)}; return e.g. "
+                f"gradaccum.Sum(loss_sum, (labels != -100).sum()), or drop reduction='count' "
+                f"for a mean over the micro-batch's rows."
+            )
         else:
-            value, weight = out, _rows(where, batch, self.reduction)
+            value = out
+            items = _rows(where, batch, red)
+            scale = items if red == "mean" else 1
+        if red == "sum":
+            scale = 1
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise TypeError(
                 f"{where}: the loss must be a 0-dim tensor, got {describe(value)}; reduce it "
@@ -467,7 +518,7 @@ class Step:
                 f"{where}: the loss does not depend on the model's trainable parameters (it "
                 f"does not require grad); compute it from model(...), outside torch.no_grad()."
             )
-        return value, weight
+        return value, scale, items
 
     def _zero(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient where the loss did not reach it (no memory of its own)."""
@@ -529,42 +580,37 @@ class Step:
         began = False
         try:
             self._follow(where)
-            value, weight = self._split(where, self.loss(self.model, batch), batch)
+            value, scale, items = self._split(where, self.loss(self.model, batch), batch)
+            summed = value.detach() if _one(scale) else value.detach() * scale
+            metrics = {
+                "loss": summed,
+                "micro_batches": 1,
+                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
+                "used": self._on_device("no new use", (0.0,) * len(self._params)),
+            }
+            self.acc._check_add(self.state, metrics)
             if self._fast:
-                summed = value.detach() * weight if self.reduction == "mean" else value.detach()
-                size, count = (None, weight) if self.reduction == "count" else (weight, None)
-                alpha, counted = self.acc._weigh(size, count)
-                metrics = {
-                    "loss": summed,
-                    "micro_batches": 1,
-                    "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
-                    "used": self._on_device("no new use", (0.0,) * len(self._params)),
-                }
-                self.acc._check_add(self.state, metrics)
                 window = self._open(where)
                 began = True
-                metrics["used"] = self._backward(window, value, alpha)
-                self.state = self.acc._counted(self.state, window, counted, metrics)
+                metrics["used"] = self._backward(window, value, scale)
+                self.state = self.acc._counted(self.state, window, items, metrics)
                 return
-            grads = torch.autograd.grad(value, self._params, allow_unused=True)
+            # A number scales the sums in their dtype (alpha), a tensor n the backward (its seed).
+            seed, alpha = (self._seed(value, scale), 1) if _tensor(scale) else (None, scale)
+            grads = torch.autograd.grad(value, self._params, seed, allow_unused=True)
             used = tuple(g is not None for g in grads)
             tree = {
                 k: g if g is not None else self._zero(i)
                 for i, (k, g) in enumerate(zip(self._names, grads))
             }
-            summed = value.detach() * weight if self.reduction == "mean" else value.detach()
-            metrics = {
-                "loss": summed,
-                "micro_batches": 1,
-                # zeros: apply() puts this rank's count there (the same width: the buckets of the
-                # window's sums hold the tail the boundary sends)
-                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
-                "used": self._on_device(used, used),
-            }
-            if self.reduction == "count":
-                self.state = self.acc.add(self.state, tree, count=weight, metrics=metrics)
-            else:
-                self.state = self.acc.add(self.state, tree, size=weight, metrics=metrics)
+            # zeros: apply() puts this rank's count there (the same width: the buckets of the
+            # window's sums hold the tail the boundary sends)
+            metrics["used"] = self._on_device(used, used)
+            window = self.acc._live(where, self.state)
+            window.begin(1)
+            window.add(check_grads(where, self.state.layout, tree), alpha)
+            window.step()
+            self.state = self.acc._counted(self.state, window, items, metrics)
         except BaseException:
             if self.sync is not None:
                 self._abort()
@@ -675,18 +721,29 @@ class Step:
             p.grad = self._win.adopt(self._slot[i], p.grad)  # type: ignore[union-attr]
         self._hit.append(i)
 
-    def _backward(self, window: Window, value: torch.Tensor, alpha: float) -> torch.Tensor:
-        """Backward of ``value``, scaled by ``alpha``, into the sums; the ``used`` metric's mask.
+    def _seed(self, value: torch.Tensor, scale: Any) -> torch.Tensor:
+        """``scale`` (a number, or a ``Mean``'s tensor ``n``) as the seed of ``value``'s backward.
 
-        The mask has a 1 for each parameter that this backward reached first in the window, so
-        its sum over the window is 1 for a parameter that any micro-batch reached (0 else).
+        In ``value``'s dtype and on its device; a number's seed is made once (no copy per
+        micro-batch), a tensor's is converted on the device (no host sync).
         """
-        key = (alpha, value.dtype, value.device)
+        if _tensor(scale):
+            return cast(torch.Tensor, scale).to(device=value.device, dtype=value.dtype)
+        key = (scale, value.dtype, value.device)
         seed = self._seeds.get(key)
         if seed is None:
             if len(self._seeds) >= _MASKS:
                 self._seeds.clear()
-            seed = self._seeds[key] = torch.full((), alpha, dtype=value.dtype, device=value.device)
+            seed = self._seeds[key] = torch.full((), scale, dtype=value.dtype, device=value.device)
+        return seed
+
+    def _backward(self, window: Window, value: torch.Tensor, scale: Any) -> torch.Tensor:
+        """Backward of ``value``, scaled by ``scale``, into the sums; the ``used`` metric's mask.
+
+        The mask has a 1 for each parameter that this backward reached first in the window, so
+        its sum over the window is 1 for a parameter that any micro-batch reached (0 else).
+        """
+        seed = self._seed(value, scale)
         params = self._params
         window.begin(1)
         torch.autograd.backward(value, seed, inputs=params)
