@@ -275,6 +275,14 @@ class Step:
             )
         if reduction is None:
             reduction = "sum" if isinstance(loss, Coupled) else "mean"
+        if not isinstance(reduction, str) or reduction not in _reduce.REDUCTIONS:
+            raise ValueError(
+                f"{where}: reduction must be one of 'mean', 'sum', 'count', got "
+                f"{describe(reduction)}; leave it out for the mean over the window's items (a "
+                f"bare loss is a mean over its rows; gradaccum.Mean or gradaccum.Sum say over "
+                f"which items), pass 'sum' to add the gradients as they come, or 'count' when "
+                f"every micro-batch returns gradaccum.Sum(summed_loss, count)."
+            )
         if not isinstance(model, torch.nn.Module) or hasattr(model, "no_sync"):
             raise TypeError(
                 f"{where}: model must be a torch.nn.Module that is not wrapped in "
@@ -490,10 +498,9 @@ class Step:
             )
             raise TypeError(
                 f"{where}: the loss function returned a {len(out)}-{type(out).__name__} "
-                f"({got}), which does not say what the loss is; return gradaccum.Mean(loss, n) "
-                f"for a mean over n items (rows or tokens) or gradaccum.Sum(loss_sum, n) for a "
-                f"sum over n items (a token loss returned as (summed_loss, count) without "
-                f"reduction='count' would otherwise be taken as a mean over count rows)."
+                f"({got}), which does not say what the loss is: (loss, rows) and (summed_loss, "
+                f"count) look the same; return gradaccum.Mean(loss, n) for a mean over n items "
+                f"(rows or tokens), or gradaccum.Sum(loss_sum, n) for a sum over n items."
             )
         elif red == "count":
             raise TypeError(
