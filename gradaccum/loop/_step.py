@@ -66,9 +66,12 @@ class StepStats(NamedTuple):
 
     Attributes:
         window: The index of the window (the optimizer step), from 0.
-        loss: The window's global loss: the mean over its rows (``reduction="mean"``), over
-            its counted items (``"count"``: e.g. tokens), or the sum (``"sum"``).
-        items: The rows (``"mean"``, ``"sum"``) or counted items (``"count"``) of the window.
+        loss: The window's global loss, its objective: the mean over its items (the rows of
+            a bare loss, the ``n`` of a ``gradaccum.Mean`` or ``gradaccum.Sum``: e.g. tokens)
+            under ``"mean"`` and ``"count"``, whatever kinds the micro-batches returned; the
+            sum under ``"sum"``.
+        items: The window's items: the rows of each bare loss and the ``n`` of each ``Mean``
+            or ``Sum``, over every micro-batch and rank.
         micro_batches: The window's micro-batches, all ranks together.
         grad_norm: The global 2-norm of the window's gradient, before clipping.
         lr: The learning rate of the optimizer's first parameter group for this step.
@@ -91,7 +94,7 @@ class StepStats(NamedTuple):
 
     @property
     def items_per_s(self) -> float:
-        """Throughput: ``items`` (tokens under ``"count"``) per second of the window."""
+        """Throughput: ``items`` (rows, or tokens when the loss says so) per second."""
         return self.items / self.seconds if self.seconds > 0 else math.inf
 
 
@@ -170,12 +173,18 @@ class Step:
       ``None`` (as under DDP for a globally unused one), so the optimizer skips it: no weight
       decay, no momentum, no state. One that some micro-batch reached gets its exact gradient
       on every rank.
-    - **The weight of a micro-batch.** Under ``reduction="mean"`` a micro-batch weighs its
-      rows: the size of dim 0 shared by every tensor in it that has a dim (``x`` and ``y``
-      alike). A batch whose tensors disagree on dim 0 (a per-class weight of another length),
-      or that has no tensor with a dim, is refused: return ``(loss, rows)`` from the loss
-      function. Under ``"count"`` the loss function returns the count; under ``"sum"`` the
-      weight is the rows (or the ``rows`` returned) and only counts ``StepStats.items``.
+    - **What the loss returns says what it is.** The objective is the mean over the window's
+      items (every micro-batch, every rank). A bare 0-dim tensor is a mean over the
+      micro-batch's rows: the size of dim 0 shared by every tensor in it that has a dim (``x``
+      and ``y`` alike); a batch whose tensors disagree on dim 0 (a per-class weight of another
+      length), or that has no tensor with a dim, is refused. For other items (tokens), return
+      [`gradaccum.Mean(loss, n)`][gradaccum.Mean] (a mean over ``n`` items) or
+      [`gradaccum.Sum(loss, n)`][gradaccum.Sum] (a sum over ``n`` items); the two may be
+      mixed. A plain tuple ``(loss, k)`` is refused: ``(loss, rows)`` and
+      ``(summed_loss, count)`` look the same. A token-mean loss
+      (``F.cross_entropy(..., ignore_index=-100)``) returned bare is weighted by rows, not
+      tokens (a bare token mean cannot be told from a per-row mean): return
+      ``gradaccum.Mean(loss, (labels != -100).sum())``.
     - **Schedulers that take a metric** (``ReduceLROnPlateau``, or any ``step`` with a required
       argument) are stepped with the window's global loss, ``StepStats.loss``.
     - **Parameters frozen or unfrozen** (``requires_grad``) between windows: each window trains
@@ -194,11 +203,10 @@ class Step:
             is that of the loss over the global window, exactly. Or a
             [`WindowStats`][gradaccum.loop.WindowStats] loss (statistics of the whole window, as
             an MoE load-balancing loss needs), which takes whole windows too.
-            Under ``reduction="mean"``, the mean over the micro-batch's rows (see above; or
-            return ``(loss, rows)``); under ``"sum"``, the sum; under ``"count"``,
-            ``(summed_loss, count)``, e.g. the summed token loss and the number of tokens: the
-            window's gradient is then that of the loss summed over all micro-batches and ranks
-            divided by the total count.
+            It returns a 0-dim tensor, the mean over the micro-batch's rows, or a
+            [`gradaccum.Mean`][gradaccum.Mean] or [`gradaccum.Sum`][gradaccum.Sum] over its
+            items (see above): the window's gradient is then that of the per-item losses summed
+            over all micro-batches and ranks, divided by the total items.
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
         data: The [`Windows`][gradaccum.loop.Windows] that feed this step, or ``None``. Its
             sync is then the step's (``sync=`` may be left out), and an error while reading a
@@ -211,9 +219,14 @@ class Step:
         clip: Clip the window's gradient to this global 2-norm
             ([`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]); ``None``: no
             clipping.
-        reduction: ``"mean"`` (the default), ``"sum"`` or ``"count"``, as for
-            [`Accumulator`][gradaccum.Accumulator]. A ``Coupled`` loss's shares are summed
-            (``"sum"``, its default and only choice).
+        reduction: ``"mean"`` (the default): the mean over the window's items, each
+            micro-batch returning a bare loss, a ``Mean`` or a ``Sum`` (see above). ``"count"``:
+            the same objective, every micro-batch returning ``Sum(summed_loss, count)`` (a bare
+            loss or a ``Mean`` is refused; kept for code written before ``Sum``: the keyword
+            may be dropped). ``"sum"``: the plain sum of the micro-batches' gradients, nothing
+            divided; a bare loss or a ``Sum``, whose ``n`` counts ``StepStats.items`` (a
+            ``Mean`` is refused). The same words as [`accumulate`][gradaccum.accumulate]'s. A
+            ``Coupled`` loss's shares are summed (``"sum"``, its default and only choice).
         sync: ``None`` (one process, or ``data``'s sync), [`all_reduce()`][gradaccum.all_reduce],
             a [`custom_reduce()`][gradaccum.custom_reduce] (compression, DP noise), or your own
             sync whose boundary returns whole gradients. Not a
@@ -223,9 +236,9 @@ class Step:
     Raises:
         TypeError: An argument has the wrong type (a ``DistributedDataParallel`` model, a loss
             that is not callable, a sync that is not one, ``data`` that is not a ``Windows``).
-        ValueError: ``clip`` is not positive, the scheduler is not ``optimizer``'s, the model
-            has no trainable parameters, the sync is a reduce-scatter, or ``sync`` and
-            ``data``'s sync are different objects.
+        ValueError: ``clip`` is not positive, ``reduction`` is not one of the three, the
+            scheduler is not ``optimizer``'s, the model has no trainable parameters, the sync
+            is a reduce-scatter, or ``sync`` and ``data``'s sync are different objects.
 
     Examples:
         >>> import torch, gradaccum
@@ -570,10 +583,12 @@ class Step:
 
         Raises:
             TypeError: The loss function returned the wrong kind (see ``loss`` of
-                [`Step`][gradaccum.loop.Step]).
-            ValueError: The loss does not require grad, its rows or count are out of range or
-                not known (the batch's tensors disagree on dim 0), or a parameter was frozen
-                or unfrozen in the middle of the window.
+                [`Step`][gradaccum.loop.Step]): a plain tuple, a ``Mean`` under ``"count"``
+                or ``"sum"``, a bare loss under ``"count"``, not a 0-dim tensor.
+            ValueError: The loss does not require grad, its rows are not known (the batch's
+                tensors disagree on dim 0), or a parameter was frozen or unfrozen in the
+                middle of the window. (A bad ``n`` is refused where the ``Mean`` or ``Sum`` is
+                built, in the loss function.)
         """
         where = "Step.add(batch)"
         if self._coupled is not None and not self._feeding:
@@ -801,7 +816,7 @@ class Step:
             The window's [`StepStats`][gradaccum.loop.StepStats].
 
         Raises:
-            ValueError: The window is empty on every rank, or its rows or counts add up to 0.
+            ValueError: The window is empty on every rank, or its items add up to 0.
             GradAccumError: Under a sync: the ranks disagree (on the trainable parameters, or
                 on how many times they called ``loop.save`` in the window: then the optimizer
                 has not stepped on any rank), another rank failed, or a collective failed or
