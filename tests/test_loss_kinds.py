@@ -338,3 +338,27 @@ def test_a_rank_under_count_against_one_under_the_default_is_refused() -> None:
         assert f"has Step(reduction={mine}) but rank" in got, got
         assert f"has Step(reduction={theirs})" in got, got
         assert got.endswith("(moved: False)"), got
+
+
+def test_a_window_saved_before_the_typed_returns_still_loads() -> None:
+    """A Step.state_dict() written before issue 35 holds a "mean" accumulator under the default
+    reduction: its sums (gradients times rows) and weight (rows) are what "count" holds now."""
+    windows = token_windows([[2, 3]], seed=4)
+
+    def bare(model, batch):
+        return token_mean(model, batch)
+
+    model, stats = train(bare, windows)
+    first = lm()
+    step = Step(first, bare, torch.optim.SGD(first.parameters(), lr=LR))
+    step.add(windows[0][0])
+    saved = step.state_dict()
+    assert saved["accumulator"]["reduction"] == "count"
+    saved["accumulator"]["reduction"] = "mean"  # as the code before wrote it
+    resumed = lm(seed=1)
+    again = Step(resumed, bare, torch.optim.SGD(resumed.parameters(), lr=LR))
+    again.load_state_dict(saved)
+    again.add(windows[0][1])
+    got = again.apply()
+    assert max_param_diff(resumed, model) == 0
+    assert (got.loss, got.items) == (stats[0].loss, stats[0].items)
