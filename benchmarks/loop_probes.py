@@ -27,10 +27,13 @@ The classes follow issue 26: ``step`` (``Step`` against the plain loop), ``resum
 every kind of cut), ``checkpoint`` (``loop.save`` / ``loop.load``), ``ranks`` (2 gloo ranks that
 disagree or fail), ``exit`` (a normal interpreter exit after a fault), ``transforms``
 (``torch.func`` over ``accumulate``), ``privacy`` (``clip_per_sample`` and ``dp_noise`` under
-``reduction="mean"``) and ``windows`` (bad arguments of ``windows()``).
+``reduction="mean"``) and ``windows`` (bad arguments of ``windows()``); ``kinds`` follows issue
+35, section 2 (what a ``Step`` loss returns: a bare mean, a plain tuple, ``gradaccum.Mean`` or
+``gradaccum.Sum``, against the token mean over the window).
 
 The probes use API forms that exist both before issue 26 and after it (``optimizer=`` by
-keyword, ``loop.save(path, step=step, data=data)``), so the same script classifies both. Each
+keyword, ``loop.save(path, step=step, data=data)``; the typed returns where the code has them),
+so the same script classifies both. Each
 probe runs in processes of its own (forked from a server that imported torch and gradaccum once),
 bounded in time; 2-rank probes use gloo on 127.0.0.1 with a process-group timeout of 120 s.
 
@@ -102,6 +105,7 @@ SEVERITY = {NA: 8, CRASH: 7, HANG: 6, CORRUPT: 5, WRONG: 4, UNCLEAR: 3, REFUSED:
 _STEP_ARGS = inspect.signature(loop.Step).parameters
 HAS_DATA_ARG = "data" in _STEP_ARGS  # Step(..., data=windows): data errors reach the boundary
 HAS_FACTORY = "Callable" in str(inspect.signature(loop.windows).parameters["data"].annotation)
+HAS_KINDS = hasattr(gradaccum, "Mean")  # typed loss returns: gradaccum.Mean / Sum (issue 35)
 CKPT_FORMAT = str(getattr(sys.modules["gradaccum.loop._save"], "FORMAT", "?"))
 BEFORE = os.environ.get("LOOP_PROBES_BEFORE")  # a tree of the code before issue 26, if given
 
@@ -318,7 +322,7 @@ def plain_loop(
         loss_sum = 0.0
         for mb in window:
             out = loss(model, mb)
-            value = out[0] if isinstance(out, tuple) else out
+            value = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
             if reduction == "mean":
                 share = weight(mb) / total
                 loss_sum += float(value) * weight(mb)
@@ -754,7 +758,8 @@ def p_step_dict_batch_rows_given(tmp: str) -> Verdict:
     the rows."""
 
     def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> Any:
-        return F.mse_loss(model(b["x"]), b["y"]) * b["cw"].mean(), len(b["x"])
+        value = F.mse_loss(model(b["x"]), b["y"]) * b["cw"].mean()
+        return gradaccum.Mean(value, len(b["x"])) if HAS_KINDS else (value, len(b["x"]))
 
     cw = torch.tensor([0.5, 1.0, 1.5], dtype=F64)
     wins = [[{"cw": cw, "x": x, "y": y} for x, y in w] for w in windows_of()]
@@ -857,7 +862,8 @@ def p_step_freeze_mid_window(tmp: str) -> Verdict:
 def token_loss(model: nn.Module, batch: Any) -> Any:
     x, y, mask = batch
     per = (model(x).squeeze(-1) - y.squeeze(-1)).pow(2)
-    return (per * mask).sum(), mask.sum()
+    summed, count = (per * mask).sum(), mask.sum()
+    return gradaccum.Sum(summed, count) if HAS_KINDS else (summed, count)
 
 
 @probe("step")
@@ -2301,6 +2307,210 @@ def p_dp_noise_under_mean(tmp: str) -> Verdict:
         sync=gradaccum.privacy.dp_noise(0.0, C, 12),
     )(p, batch)
     return _against(got, {k: v / 12 for k, v in clipped_sum(p, batch).items()}, "DP-SGD gradient")
+
+
+# == 8. Loss kinds: what the loss returns says what it is (issue 35, section 2) =================
+#
+# A token-level loss over padded sequences (labels -100 on padding), windows of uneven token
+# counts; the right answer is the plain float64 loop on the token mean over the whole window
+# (each micro-batch's summed token loss divided by the window's tokens, over all ranks). A row
+# is exact, refused clearly, or silently wrong with what it is off by (the largest parameter
+# difference after the windows' SGD steps, and StepStats.loss against the token mean).
+
+VOCAB = 11
+
+
+def lm(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB)).double()
+
+
+def token_windows(sizes: list[list[int]], seed: int = 0) -> list[list[Any]]:
+    """Windows of micro-batches ``(inputs, labels)``: sequences of 1 to 8 tokens, padded."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for window in sizes:
+        mbs = []
+        for rows in window:
+            lengths = torch.randint(1, 9, (rows,), generator=g)
+            inputs = torch.randint(1, VOCAB, (rows, int(lengths.max())), generator=g)
+            labels = torch.randint(0, VOCAB, inputs.shape, generator=g)
+            labels[torch.arange(inputs.shape[1]) >= lengths[:, None]] = -100
+            mbs.append((inputs, labels))
+        out.append(mbs)
+    return out
+
+
+TOKEN_WINDOWS = [[3, 1, 2], [2, 2], [4]]
+
+
+def token_sum(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed token loss over the non-padding tokens, and their count (a tensor)."""
+    inputs, labels = batch
+    logits = model(inputs).flatten(0, 1)
+    loss = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def token_mean(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The familiar token-mean loss of one micro-batch (``ignore_index=-100``)."""
+    inputs, labels = batch
+    return F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def token_reference(windows: list[list[Any]]) -> tuple[dict[str, Any], list[float]]:
+    """The plain loop on the token mean over each whole window: SGD, float64."""
+    model = lm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for window in windows:
+        total = sum(int((labels != -100).sum()) for _, labels in window)
+        loss_sum = 0.0
+        for mb in window:
+            summed, _ = token_sum(model, mb)
+            (summed / total).backward()
+            loss_sum += float(summed)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss_sum / total)
+    return training_state(model, opt), losses
+
+
+def kinds_verdict(got: dict[str, Any], losses: list[float], windows: list[list[Any]]) -> Verdict:
+    want, want_losses = token_reference(windows)
+    d = differ(got, want)
+    if d is None and _same_tree(losses, want_losses, TOL, "") is None:
+        return ok()
+    return wrong(
+        f"another objective than the token mean over the window: {d or 'parameters equal'}; "
+        f"StepStats.loss of window 0 {losses[0]:.6g} against the token mean {want_losses[0]:.6g}"
+    )
+
+
+def kinds_run(loss: Any, windows: list[list[Any]] | None = None, **kw: Any) -> Verdict:
+    """Train ``lm()`` with ``Step(loss)`` (SGD) and compare with ``token_reference``."""
+    windows = token_windows(TOKEN_WINDOWS) if windows is None else windows
+    model = lm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = step_loop(make_step(model, loss, opt, **kw), windows)
+    return kinds_verdict(training_state(model, opt), losses, windows)
+
+
+@probe("kinds", quick=True, expect="error", words=("Mean", "Sum"))
+def p_kinds_forgotten_count_int(tmp: str) -> Verdict:
+    """``(summed_loss, int(tokens))`` under the default reduction (``reduction="count"``
+    forgotten): the token mean, or a refusal naming both typed forms."""
+
+    def loss(model: nn.Module, batch: Any) -> Any:
+        summed, tokens = token_sum(model, batch)
+        return summed, int(tokens)
+
+    return kinds_run(loss)
+
+
+@probe("kinds", quick=True, expect="error", words=("Mean", "Sum"))
+def p_kinds_forgotten_count_tensor(tmp: str) -> Verdict:
+    """The same with the count as a tensor, ``(labels != -100).sum()``: the message must name
+    the user's call (``Step.add``), not ``Accumulator.add``."""
+    return kinds_run(token_sum)
+
+
+@probe("kinds", quick=True)
+def p_kinds_bare_token_mean(tmp: str) -> Verdict:
+    """``F.cross_entropy(..., ignore_index=-100)`` returned bare under the default: weighted by
+    rows, not tokens. It cannot be told from a per-row mean, so it stays a documented trap (the
+    README's first screen)."""
+    return kinds_run(token_mean)
+
+
+@probe("kinds", quick=True)
+def p_kinds_mean_of_tokens(tmp: str) -> Verdict:
+    """``gradaccum.Mean(token_mean, tokens)`` (a tensor count) under the default."""
+    if not HAS_KINDS:
+        return na("no gradaccum.Mean")
+    return kinds_run(lambda m, b: gradaccum.Mean(token_mean(m, b), token_sum(m, b)[1]))
+
+
+@probe("kinds", quick=True)
+def p_kinds_sum_of_tokens(tmp: str) -> Verdict:
+    """``gradaccum.Sum(token_sum, tokens)`` under the default."""
+    if not HAS_KINDS:
+        return na("no gradaccum.Sum")
+    return kinds_run(lambda m, b: gradaccum.Sum(*token_sum(m, b)))
+
+
+@probe("kinds")
+def p_kinds_mixed_and_int_counts(tmp: str) -> Verdict:
+    """``Mean`` with an int count and ``Sum`` with a tensor count, alternating over the
+    micro-batches of a window."""
+    if not HAS_KINDS:
+        return na("no gradaccum.Mean")
+    at = [0]
+
+    def loss(model: nn.Module, batch: Any) -> Any:
+        at[0] += 1
+        summed, tokens = token_sum(model, batch)
+        if at[0] % 2:
+            return gradaccum.Mean(token_mean(model, batch), int(tokens))
+        return gradaccum.Sum(summed, tokens)
+
+    return kinds_run(loss)
+
+
+@probe("kinds")
+def p_kinds_count_with_sum(tmp: str) -> Verdict:
+    """``reduction="count"`` kept, the loss returning ``Sum``: as without the keyword."""
+    if not HAS_KINDS:
+        return na("no gradaccum.Sum")
+    return kinds_run(lambda m, b: gradaccum.Sum(*token_sum(m, b)), reduction="count")
+
+
+@probe("kinds", expect="error", words=("Mean", "count"))
+def p_kinds_mean_under_count(tmp: str) -> Verdict:
+    """``Mean`` under ``reduction="count"`` (which means: every micro-batch returns a sum)."""
+    if not HAS_KINDS:
+        return na("no gradaccum.Mean")
+    return kinds_run(
+        lambda m, b: gradaccum.Mean(token_mean(m, b), token_sum(m, b)[1]), reduction="count"
+    )
+
+
+def kinds_2ranks(rank: int, loss: Any) -> Verdict:
+    """2 ranks under ``all_reduce``, windows of 2 micro-batches, against the token mean over
+    the global windows in one process."""
+    per_rank = [
+        [mb for w in token_windows([[2, 3, 1]], seed=60) for mb in w],
+        [mb for w in token_windows([[1, 4]], seed=61) for mb in w],
+    ]
+    model = lm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sync = gradaccum.all_reduce()
+    data = loop.windows(per_rank[rank], 2, sync=sync)
+    step = make_step(model, loss, opt, data=data, sync=sync)
+    losses = []
+    for window in data:
+        for mb in window:
+            step.add(mb)
+        losses.append(float(step.apply().loss))
+    return kinds_verdict(training_state(model, opt), losses, _global(per_rank, 2))
+
+
+@probe("kinds", world=2, quick=True)
+def p_kinds_2ranks_mean_and_sum(rank: int, world: int, tmp: str) -> Verdict:
+    """2 ranks: rank 0 returns ``Mean(token_mean, tokens)``, rank 1 ``Sum(token_sum,
+    tokens)``: the token mean over the global window."""
+    if not HAS_KINDS:
+        return na("no gradaccum.Mean")
+    if rank == 0:
+        return kinds_2ranks(rank, lambda m, b: gradaccum.Mean(token_mean(m, b), token_sum(m, b)[1]))
+    return kinds_2ranks(rank, lambda m, b: gradaccum.Sum(*token_sum(m, b)))
+
+
+@probe("kinds", world=2, quick=True, expect="error")
+def p_kinds_2ranks_tuple_on_one_rank(rank: int, world: int, tmp: str) -> Verdict:
+    """2 ranks: rank 0 returns the bare per-row mean, rank 1 the plain tuple ``(token_sum,
+    tokens)`` under the default: every rank raises, promptly."""
+    return kinds_2ranks(rank, token_sum if rank == 1 else token_mean)
 
 
 # == windows(): bad arguments =====================================================================

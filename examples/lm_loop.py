@@ -60,6 +60,10 @@ def token_loss(model, batch):  # summed over the tokens that are not padding, an
     return loss, (labels != -100).sum()
 
 
+def summed(model, batch):  # what the loss is: a sum over that many tokens
+    return gradaccum.Sum(*token_loss(model, batch))
+
+
 def train(rows=81, path="checkpoint", save_at=7):
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(0)
@@ -68,9 +72,7 @@ def train(rows=81, path="checkpoint", save_at=7):
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 4))
     loader = DataLoader(sequences(rows)[rank::world], batch_size=2, shuffle=True, collate_fn=pad)
     data = loop.windows(loader, 4, sync=gradaccum.all_reduce() if world > 1 else None, epochs=2)
-    step = loop.Step(
-        model, token_loss, optimizer, data=data, scheduler=warmup, clip=1.0, reduction="count"
-    )
+    step = loop.Step(model, summed, optimizer, data=data, scheduler=warmup, clip=1.0)
     if os.path.exists(path):  # an earlier run's checkpoint: go on from there
         loop.load(path, step)
     with loop.progress(data) as bar:

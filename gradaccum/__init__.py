@@ -21,6 +21,8 @@ from ._coupled._cache import coupled as coupled
 from ._coupled._exchange import Rows as Rows
 from ._coupled._stats import window_stats as window_stats
 from ._errors import GradAccumError as GradAccumError
+from ._kinds import Mean as Mean
+from ._kinds import Sum as Sum
 from ._module import buffers_of as buffers_of
 from ._module import call_module as call_module
 from ._module import params_of as params_of
@@ -37,8 +39,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Accumulator",
     "GradAccumError",
+    "Mean",
     "MicroBatches",
     "Rows",
+    "Sum",
     "accumulate",
     "all_reduce",
     "buffers_of",

@@ -50,11 +50,19 @@ def check_reduction(where: str, reduction: object) -> Reduction:
     return cast(Reduction, reduction)
 
 
-def check_count(where: str, count: object) -> Weight:
+def check_count(
+    where: str,
+    count: object,
+    *,
+    name: str = "the count",
+    covers: str = "the summed loss",
+    verb: str = "return",
+) -> Weight:
     """Validate one micro-batch's count (a number or a one-element real tensor), detached.
 
     A number must be finite and ``>= 0``; a tensor's value is not read (that would synchronise
-    with the device once per micro-batch), so a negative or NaN tensor count passes.
+    with the device once per micro-batch), so a negative or NaN tensor count passes. ``name``,
+    ``covers`` and ``verb`` word the messages (``gradaccum.Mean`` checks its ``n`` here).
 
     Examples:
         >>> check_count("f(count)", 3)
@@ -70,19 +78,19 @@ def check_count(where: str, count: object) -> Weight:
     elif not isinstance(count, bool) and isinstance(count, (int, float)):
         if isinstance(count, float) and not math.isfinite(count):
             raise ValueError(
-                f"{where}: the count must be a finite number >= 0, got {count!r}; return the "
-                f"number of items the summed loss covers, e.g. (labels != pad_id).sum(), as a "
+                f"{where}: {name} must be a finite number >= 0, got {count!r}; {verb} the "
+                f"number of items {covers} covers, e.g. (labels != pad_id).sum(), as a "
                 f"finite number (a NaN count often comes from a mean or a division by 0 upstream)."
             )
         if count < 0:
             raise ValueError(
-                f"{where}: the count must be >= 0, got {count!r}; return the number of items the "
-                f"summed loss covers."
+                f"{where}: {name} must be >= 0, got {count!r}; {verb} the number of items "
+                f"{covers} covers."
             )
         return count
     raise TypeError(
-        f"{where}: the count must be a number or a one-element real tensor, got "
-        f"{describe(count)}; return the number of items the summed loss covers, e.g. "
+        f"{where}: {name} must be a number or a one-element real tensor, got "
+        f"{describe(count)}; {verb} the number of items {covers} covers, e.g. "
         f"(labels != pad_id).sum()."
     )
 

@@ -32,6 +32,8 @@ TOP_LEVEL = (
     "coupled",
     "window_stats",
     "Rows",
+    "Mean",  # what a loss returns (issue 35): gradaccum.Mean(loss, n), gradaccum.Sum(loss, n)
+    "Sum",
     "all_reduce",
     "reduce_scatter",
     "shard",

@@ -21,7 +21,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gradaccum"
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "leaves",
-        {"_errors", "_checks", "_tree", "_split", "_reduce", "_layout", "_autograd", "_metrics"},
+        {
+            "_errors",
+            "_checks",
+            "_tree",
+            "_split",
+            "_reduce",
+            "_kinds",
+            "_layout",
+            "_autograd",
+            "_metrics",
+        },
     ),
     ("transport", {"_dist"}),
     ("core", {"_core"}),

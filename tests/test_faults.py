@@ -986,10 +986,15 @@ def test_no_collective_outlives_the_error(
 
 from gradaccum import loop  # noqa: E402 - this section's own import
 
-LOOP_FAULTS = ("data", "loss", "save", "load", "stalled")
+LOOP_FAULTS = ("data", "loss", "tuple", "save", "load", "stalled")
 LOOP_KEY_WORDS: dict[str, dict[str, tuple[str, ...]]] = {
     "data": {"survivor": ("Step.apply()", *OTHER_FAILED), "faulty": ("injected on rank 1",)},
     "loss": {"survivor": ("Step.apply()", *OTHER_FAILED), "faulty": ("injected on rank 1",)},
+    # Issue 35: rank 1's loss returns a plain (loss, count) tuple, refused on that rank alone.
+    "tuple": {
+        "survivor": ("Step.apply()", *OTHER_FAILED),
+        "faulty": ("Step.add(batch)", "2-tuple (tensor, tensor)", "gradaccum.Mean(loss, n)"),
+    },
     "save": {
         "both": ("Step.apply()", "called gradaccum.loop.save a different number of times"),
     },
@@ -1049,6 +1054,9 @@ class _LoopJob:
         if self.fault == "loss" and self.rank == FAULTY and self.calls == N + 2:
             _mark(self.folder, "inject")
             raise InjectedFault(f"injected on rank {self.rank}: the loss of micro-batch {N + 1}")
+        if self.fault == "tuple" and self.rank == FAULTY and self.calls == N + 2:
+            _mark(self.folder, "inject")
+            return _loop_mse(model, batch), batch[1].new_tensor(len(batch[1]))  # says neither
         return _loop_mse(model, batch)
 
     def held(self) -> Any:
@@ -1152,6 +1160,8 @@ def _loop_problems(fault: str, run: Launch, folder: str) -> list[str]:
         got = rest[0]
         injected = fault in ("data", "loss") and role == "faulty"
         expected = "InjectedFault" if injected else "GradAccumError"
+        if fault == "tuple" and role == "faulty":
+            expected = "TypeError"
         if got["outcome"] != expected:
             problems.append(
                 f"rank {r} ({role}) should raise {expected}, got {got['outcome']}: "
@@ -1186,7 +1196,8 @@ def _loop_problems(fault: str, run: Launch, folder: str) -> list[str]:
 @pytest.mark.parametrize("fault", LOOP_FAULTS)
 def test_a_fault_in_the_loop_ends_in_an_error_on_every_rank(fault: str, faults_dir: Path) -> None:
     """A loop job (``windows`` + ``Step``) whose rank 1 fails in window 1 (its data, its loss, a
-    save it alone makes, a load of its damaged file, a stall past the timeout): every rank
+    loss that returns a plain tuple (refused on that rank alone), a save it alone makes, a load
+    of its damaged file, a stall past the timeout): every rank
     raises within T + 5 s, and no rank applied any of the window (or of the load)."""
     folder = faults_dir / f"loop-{fault}"
     folder.mkdir()

@@ -601,6 +601,38 @@ def _step_and_data(n: int) -> tuple[Step, list[Any]]:
     return step, micro_batches(n)
 
 
+def _counted_loss(kind: str) -> Any:
+    """A loss over the rows with y > 0, returned as ``gradaccum.Mean`` or ``Sum`` with the
+    count as a tensor on the device (as a token count is)."""
+
+    def loss(model: nn.Module, batch: Any) -> Any:
+        x, y = batch
+        kept = y > 0
+        summed = ((model(x).squeeze(-1) - y).pow(2) * kept).sum()
+        if kind == "Mean":
+            return gradaccum.Mean(summed / kept.sum().clamp(min=1), kept.sum())
+        return gradaccum.Sum(summed, kept.sum())
+
+    return loss
+
+
+@cuda_only
+@pytest.mark.parametrize("kind", ["Mean", "Sum"])
+def test_loop_step_add_with_a_tensor_n_does_not_sync(kind: str) -> None:
+    """Issue 35: a loss's n as a tensor on the device scales the backward (a Mean's seed) and
+    adds to the window's weight there: no host sync per micro-batch."""
+    model = step_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = Step(model, _counted_loss(kind), opt, sync=gradaccum.all_reduce())
+    data = micro_batches(4)
+    for _ in range(2):
+        step.add(data[0])
+        with SyncErrors():
+            for batch in data[1:]:
+                step.add(batch)
+        step.apply()
+
+
 @cuda_only
 def test_loop_step_add_in_the_middle_of_a_window_does_not_sync() -> None:
     n = 4

@@ -382,8 +382,8 @@ FILES = {
         _damage_window,
         gradaccum.GradAccumError,
         "the checkpoint's window in progress does not load: Accumulator.load_state_dict(state, "
-        "state_dict): weight is -1.0, expected a finite number >= 2 after 2 micro-batch(es) "
-        "under reduction='mean'; pass the dict that state_dict() returned (torch.load(path, "
+        "state_dict): weight is -1.0, expected a finite number >= 0 after 2 micro-batch(es) "
+        "under reduction='count'; pass the dict that state_dict() returned (torch.load(path, "
         "weights_only=True)).",
     ),
     "no-data": (

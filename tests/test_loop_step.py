@@ -83,7 +83,7 @@ def test_windows_of_uneven_micro_batches_equal_whole_batches(clip) -> None:
 def token_loss(model: nn.Module, batch):
     x, y, mask = batch
     per_token = (model(x).squeeze(-1) - y).pow(2)
-    return (per_token * mask).sum(), mask.sum()
+    return gradaccum.Sum((per_token * mask).sum(), mask.sum())
 
 
 def test_count_reduction_is_the_mean_over_all_counted_items() -> None:
@@ -98,7 +98,8 @@ def test_count_reduction_is_the_mean_over_all_counted_items() -> None:
     for mb in zip(x.split(sizes), y.split(sizes), mask.split(sizes)):
         step.add(mb)
     stats = step.apply()
-    summed, count = token_loss(ref, (x, y, mask))
+    out = token_loss(ref, (x, y, mask))
+    summed, count = out.loss, out.n
     (summed / count).backward()
     ref_opt.step()
     assert max_param_diff(model, ref) < TIGHT
@@ -129,7 +130,8 @@ def test_sum_reduction_reports_the_summed_loss() -> None:
 
 def test_rows_can_be_given_with_the_loss() -> None:
     model = make_model()
-    step = Step(model, lambda m, b: (mse(m, b), 10), optimizer=torch.optim.SGD(model.parameters()))
+    opt = torch.optim.SGD(model.parameters())
+    step = Step(model, lambda m, b: gradaccum.Mean(mse(m, b), 10), optimizer=opt)
     step.add(data(3))
     assert step.apply().items == 10.0
 
@@ -178,10 +180,10 @@ def test_arguments_are_checked(build, error, message) -> None:
 @pytest.mark.parametrize(
     ("loss", "reduction", "error", "message"),
     [
-        (mse, "count", TypeError, r"must return \(summed_loss, count\)"),
+        (mse, "count", TypeError, r"returns gradaccum.Sum\(summed_loss, count\)"),
         (lambda m, b: m(b[0]), "mean", TypeError, r"the loss must be a 0-dim tensor"),
         (lambda m, b: mse(m, b).detach(), "mean", ValueError, r"does not require grad"),
-        (lambda m, b: (mse(m, b), 0), "mean", ValueError, r"size must be the micro-batch's"),
+        (lambda m, b: (mse(m, b), 3), "mean", TypeError, r"returned a 2-tuple \(tensor, int\)"),
     ],
 )
 def test_what_the_loss_returns_is_checked(loss, reduction, error, message) -> None:
@@ -376,9 +378,10 @@ def test_messages_in_full() -> None:
             data(2)
         )
     assert str(err.value) == (
-        "Step.add(batch): with reduction='count' the loss function must return (summed_loss, "
-        "count), got Tensor(shape=(), dtype=float64); return e.g. (loss_sum, (labels != "
-        "-100).sum())."
+        "Step.add(batch): under reduction='count' the loss function returns "
+        "gradaccum.Sum(summed_loss, count), got Tensor(shape=(), dtype=float64); return e.g. "
+        "gradaccum.Sum(loss_sum, (labels != -100).sum()), or drop reduction='count' for a mean "
+        "over the micro-batch's rows."
     )
 
 
@@ -431,7 +434,7 @@ def net_loss(reduction: str):
 
     def count(model, batch):
         x, y, mask, extra = batch
-        return ((model(x, extra) - y).pow(2) * mask).sum(), mask.sum()
+        return gradaccum.Sum(((model(x, extra) - y).pow(2) * mask).sum(), mask.sum())
 
     return {"mean": mean, "sum": summed, "count": count}[reduction]
 
@@ -457,7 +460,7 @@ def plain_window(model, loss_fn, opt, sched, window, seeds, reduction, clip) -> 
         elif reduction == "sum":
             scaled, part = out, out.item()
         else:
-            scaled, part = out[0] / counted, out[0].item() / counted
+            scaled, part = out.loss / counted, out.loss.item() / counted
         scaled.backward()
         total += part
     if clip is not None:
@@ -646,9 +649,9 @@ def test_a_batch_whose_tensors_disagree_on_dim_0_is_refused_until_rows_are_given
         ValueError,
         "Step.add(batch): under reduction='mean' a micro-batch weighs its rows, the size of "
         "dim 0 shared by its tensors, but they disagree: batch['class_weight'] has 3 along dim "
-        "0 and batch['cls'] has 4, so the rows are not known; return (loss, rows) from the "
-        "loss function, rows the number of examples its mean covers (e.g. (loss, "
-        "len(batch['input_ids']))).",
+        "0 and batch['cls'] has 4, so the rows are not known; return gradaccum.Mean(loss, rows) "
+        "from the loss function, rows the number of examples it covers (e.g. "
+        "gradaccum.Mean(loss, len(batch['input_ids']))).",
     ):
         step.add(batches[0])
     assert step.micro_step == 0  # nothing was added
@@ -657,15 +660,15 @@ def test_a_batch_whose_tensors_disagree_on_dim_0_is_refused_until_rows_are_given
         ValueError,
         "Step.add(batch): under reduction='sum' a micro-batch counts its rows (StepStats.items), "
         "the size of dim 0 shared by its tensors, but they disagree: batch['class_weight'] has "
-        "3 along dim 0 and batch['cls'] has 4, so the rows are not known; return (loss, rows) "
-        "from the loss function, rows the number of examples its sum covers (e.g. (loss, "
-        "len(batch['input_ids']))).",
+        "3 along dim 0 and batch['cls'] has 4, so the rows are not known; return "
+        "gradaccum.Sum(loss, rows) from the loss function, rows the number of examples it "
+        "covers (e.g. gradaccum.Sum(loss, len(batch['input_ids']))).",
     ):
         summed.add(batches[0])
     # Stated: exact.
     model, ref = make_model(), make_model()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    step = Step(model, lambda m, b: (weighted(m, b), len(b["x"])), opt)
+    step = Step(model, lambda m, b: gradaccum.Mean(weighted(m, b), len(b["x"])), opt)
     for batch in batches:
         step.add(batch)
     step.apply()
@@ -677,9 +680,9 @@ def test_a_batch_whose_tensors_disagree_on_dim_0_is_refused_until_rows_are_given
     with raises(
         ValueError,
         "Step.add(batch): under reduction='mean' a micro-batch weighs its rows, the size of "
-        "dim 0 of its tensors, but this one has no tensor with a dim; return (loss, rows) from "
-        "the loss function, rows the number of examples its mean covers (e.g. (loss, "
-        "len(batch['input_ids']))).",
+        "dim 0 of its tensors, but this one has no tensor with a dim; return "
+        "gradaccum.Mean(loss, rows) from the loss function, rows the number of examples it "
+        "covers (e.g. gradaccum.Mean(loss, len(batch['input_ids']))).",
     ):
         step.add({"x": torch.zeros((), dtype=F64), "id": 3})
 

@@ -2580,42 +2580,95 @@ def _adding(loss: Any, reduction: str = "mean") -> NS:
     return ns
 
 
-for _id, _loss, _reduction, _exc, _name in [
-    (
-        "count-without-a-count",
-        loop_mse,
-        "count",
-        TypeError,
-        "(summed_loss, count)",
-    ),
+def _summed(m: torch.nn.Module, b: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(m(b[0]), b[1], reduction="sum")
+
+
+TYPED = ("gradaccum.Mean(loss, n)", "gradaccum.Sum(loss_sum, n)")
+for _id, _loss, _reduction, _exc, _names in [
+    ("count-without-a-count", loop_mse, "count", TypeError, ("gradaccum.Sum(summed_loss, count)",)),
     (
         "loss-a-vector",
         lambda m, b: (m(b[0]) - b[1]).pow(2).squeeze(1),
         "mean",
         TypeError,
-        "0-dim",
+        ("0-dim",),
     ),
-    ("loss-a-float", lambda m, b: 0.5, "mean", TypeError, "0-dim"),
-    ("loss-three-values", lambda m, b: (loop_mse(m, b), 2, 3), "mean", TypeError, "0-dim"),
+    ("loss-a-float", lambda m, b: 0.5, "mean", TypeError, ("0-dim",)),
+    ("loss-three-values", lambda m, b: (loop_mse(m, b), 2, 3), "mean", TypeError, ("3-tuple",)),
     (
         "loss-without-grad",
         lambda m, b: loop_mse(m, b).detach(),
         "mean",
         ValueError,
-        "does not require grad",
+        ("does not require grad",),
     ),
-    ("rows-negative", lambda m, b: (loop_mse(m, b), -2), "mean", ValueError, "size"),
-    ("rows-nan", lambda m, b: (loop_mse(m, b), NAN), "mean", TypeError, "size"),
-    ("count-negative", lambda m, b: (loop_mse(m, b), -1), "count", ValueError, "count"),
+    # Issue 35: a plain (loss, k) says neither a mean over k items nor a sum over them.
+    ("tuple-int-count", lambda m, b: (_summed(m, b), 2), "mean", TypeError, TYPED),
+    (
+        "tuple-tensor-count",
+        lambda m, b: (_summed(m, b), b[0][:, 0].sum()),
+        "mean",
+        TypeError,
+        TYPED,
+    ),
+    ("tuple-list", lambda m, b: [loop_mse(m, b), 2], "mean", TypeError, TYPED),
+    ("tuple-under-count", lambda m, b: (_summed(m, b), 2), "count", TypeError, TYPED),
+    ("tuple-under-sum", lambda m, b: (_summed(m, b), 2), "sum", TypeError, TYPED),
+    (
+        "mean-under-count",
+        lambda m, b: gradaccum.Mean(loop_mse(m, b), 2),
+        "count",
+        TypeError,
+        ("gradaccum.Mean(loss, n)", "gradaccum.Sum(loss * n, n)", "reduction='count'"),
+    ),
+    (
+        "mean-under-sum",
+        lambda m, b: gradaccum.Mean(loop_mse(m, b), 2),
+        "sum",
+        TypeError,
+        ("gradaccum.Mean(loss, n)", "gradaccum.Sum(loss * n, n)", "reduction='sum'"),
+    ),
+    (
+        "mean-n-negative",
+        lambda m, b: gradaccum.Mean(loop_mse(m, b), -2),
+        "mean",
+        ValueError,
+        ("gradaccum.Mean(loss, n)", "-2"),
+    ),
 ]:
     case(
         f"loop.Step.add-{_id}",
         lambda loss=_loss, reduction=_reduction: _adding(loss, reduction),
         lambda ns: ns["step"].add(ns["batch"]),
         _exc,
-        _name,
+        *_names,
         item="loop",
+        absent=("Accumulator",),
     )
+
+# gradaccum.Mean(loss, n) / gradaccum.Sum(loss, n): checked where they are built.
+for _kind in ("Mean", "Sum"):
+    for _id, _value, _n, _exc, _names in [
+        ("n-negative", torch.tensor(1.0), -1, ValueError, ("n must be >= 0", "-1")),
+        ("n-nan", torch.tensor(1.0), NAN, ValueError, ("finite", "nan")),
+        ("n-inf", torch.tensor(1.0), INF, ValueError, ("finite", "inf")),
+        ("n-a-string", torch.tensor(1.0), "3", TypeError, ("str '3'",)),
+        ("n-a-bool", torch.tensor(1.0), True, TypeError, ("bool True",)),
+        ("n-two-elements", torch.tensor(1.0), torch.ones(2), TypeError, ("shape=(2,)",)),
+        ("n-complex", torch.tensor(1.0), torch.tensor(1j), TypeError, ("complex",)),
+        ("loss-a-vector", torch.ones(3), 3, TypeError, ("0-dim", "shape=(3,)")),
+        ("loss-a-float", 0.5, 3, TypeError, ("0-dim", "float 0.5")),
+    ]:
+        case(
+            f"gradaccum.{_kind}-{_id}",
+            lambda value=_value, n=_n: {"value": value, "n": n},
+            lambda ns, kind=_kind: getattr(gradaccum, kind)(ns["value"], ns["n"]),
+            _exc,
+            f"gradaccum.{_kind}(loss, n)",
+            *_names,
+            item="loop",
+        )
 
 
 def _dict_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -3047,6 +3100,81 @@ MESSAGES: dict[str, str] = {
         "accumulate returns its gradient already divided by its own weight, so the result is "
         "not the gradient of the item mean. Use one accumulate over all the micro-batches (n the "
         "product of the two, reduction='count'); nesting is exact under 'mean' and 'sum'."
+    ),
+    # Issue 35: what a Step loss returns says what it is.
+    "loop.Step-reduction-avg": (
+        "Step(model, loss, optimizer, ...): reduction must be one of 'mean', 'sum', 'count', got "
+        "str 'avg'; leave it out for the mean over the window's items (a bare loss is a mean "
+        "over its rows; gradaccum.Mean or gradaccum.Sum say over which items), pass 'sum' to add "
+        "the gradients as they come, or 'count' when every micro-batch returns "
+        "gradaccum.Sum(summed_loss, count)."
+    ),
+    "loop.Step.add-count-without-a-count": (
+        "Step.add(batch): under reduction='count' the loss function returns "
+        "gradaccum.Sum(summed_loss, count), got Tensor(shape=(), dtype=float64); return e.g. "
+        "gradaccum.Sum(loss_sum, (labels != -100).sum()), or drop reduction='count' for a mean "
+        "over the micro-batch's rows."
+    ),
+    "loop.Step.add-tuple-int-count": (
+        "Step.add(batch): the loss function returned a 2-tuple (tensor, int), which does not "
+        "say what the loss is: (loss, rows) and (summed_loss, count) look the same; return "
+        "gradaccum.Mean(loss, n) for a mean over n items (rows or tokens), or "
+        "gradaccum.Sum(loss_sum, n) for a sum over n items."
+    ),
+    "loop.Step.add-tuple-tensor-count": (
+        "Step.add(batch): the loss function returned a 2-tuple (tensor, tensor), which does not "
+        "say what the loss is: (loss, rows) and (summed_loss, count) look the same; return "
+        "gradaccum.Mean(loss, n) for a mean over n items (rows or tokens), or "
+        "gradaccum.Sum(loss_sum, n) for a sum over n items."
+    ),
+    "loop.Step.add-tuple-under-count": (
+        "Step.add(batch): the loss function returned a 2-tuple (tensor, int), which does not "
+        "say what the loss is: (loss, rows) and (summed_loss, count) look the same; return "
+        "gradaccum.Mean(loss, n) for a mean over n items (rows or tokens), or "
+        "gradaccum.Sum(loss_sum, n) for a sum over n items."
+    ),
+    "loop.Step.add-loss-three-values": (
+        "Step.add(batch): the loss function returned a 3-tuple (tensor, int, int), which does not "
+        "say what the loss is: (loss, rows) and (summed_loss, count) look the same; return "
+        "gradaccum.Mean(loss, n) for a mean over n items (rows or tokens), or "
+        "gradaccum.Sum(loss_sum, n) for a sum over n items."
+    ),
+    "loop.Step.add-mean-under-count": (
+        "Step.add(batch): the loss function returned gradaccum.Mean(loss, n), but under "
+        "reduction='count' every micro-batch returns a sum over its items; return "
+        "gradaccum.Sum(loss * n, n) (the sum over the n items), or drop reduction='count' (a "
+        "Mean is then weighted by its n)."
+    ),
+    "loop.Step.add-mean-under-sum": (
+        "Step.add(batch): the loss function returned gradaccum.Mean(loss, n), but under "
+        "reduction='sum' every micro-batch returns a sum over its items; return the summed "
+        "loss, gradaccum.Sum(loss * n, n), or drop reduction='sum' to take the mean over the "
+        "window's items."
+    ),
+    "gradaccum.Mean-n-negative": (
+        "gradaccum.Mean(loss, n): n must be >= 0, got -1; pass the number of items the mean covers."
+    ),
+    "gradaccum.Mean-n-nan": (
+        "gradaccum.Mean(loss, n): n must be a finite number >= 0, got nan; pass the number of "
+        "items the mean covers, e.g. (labels != pad_id).sum(), as a finite number (a NaN count "
+        "often comes from a mean or a division by 0 upstream)."
+    ),
+    "gradaccum.Sum-n-a-string": (
+        "gradaccum.Sum(loss, n): n must be a number or a one-element real tensor, got str '3'; "
+        "pass the number of items the sum covers, e.g. (labels != pad_id).sum()."
+    ),
+    "gradaccum.Sum-n-two-elements": (
+        "gradaccum.Sum(loss, n): n must be a number or a one-element real tensor, got "
+        "Tensor(shape=(2,), dtype=float32); pass the number of items the sum covers, e.g. "
+        "(labels != pad_id).sum()."
+    ),
+    "gradaccum.Mean-loss-a-vector": (
+        "gradaccum.Mean(loss, n): loss must be a 0-dim tensor, the mean over the n items, got "
+        "Tensor(shape=(3,), dtype=float32); reduce it over the items first (loss.mean())."
+    ),
+    "gradaccum.Sum-loss-a-vector": (
+        "gradaccum.Sum(loss, n): loss must be a 0-dim tensor, the sum over the n items, got "
+        "Tensor(shape=(3,), dtype=float32); reduce it over the items first (loss.sum())."
     ),
     "reduce_scatter-reduce_dtype-int": (
         "reduce_scatter(sharded, policy=..., gather=...): reduce_dtype must be a floating "

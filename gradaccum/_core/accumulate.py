@@ -79,12 +79,18 @@ def accumulate(
         has_aux: ``step_fn`` returns ``(grads, aux)``; the accumulated function then returns
             ``(grads, aux)`` with aux combined per ``aux_reduction``. Default: what a ``grad()``
             / ``grad_and_value()`` step function (gradaccum's or torch.func's) returns, else False.
-        reduction: ``"mean"``: ``step_fn`` returns the gradient of a mean loss; micro-batches are
-            weighted by their rows, giving the gradient of the mean over the whole batch.
-            ``"sum"``: gradients are added. ``"count"``: ``step_fn`` returns the gradient of a
-            *summed* loss and ``count(aux)`` the number of items it covers (e.g. non-padding
-            tokens); the result is sum of gradients / sum of counts, the gradient of the
-            item mean over the whole batch.
+        reduction: What ``step_fn``'s gradient is of, as for
+            [`loop.Step`][gradaccum.loop.Step]. ``"mean"`` (the default): of a mean over the
+            micro-batch's rows; each is weighted by its rows, giving the gradient of the mean
+            over the whole batch's rows. ``"count"``: of a *sum* over items, ``count(aux)`` of
+            them (e.g. non-padding tokens), as a ``Step`` loss returning
+            [`gradaccum.Sum(loss, n)`][gradaccum.Sum] says; the result is the sum of the
+            gradients divided by the sum of the counts, the gradient of the mean over the whole
+            batch's items. ``"sum"``: the plain sum of the gradients, nothing divided. The
+            gradients alone cannot tell a mean from a sum, so a token-mean loss under
+            ``"mean"`` is weighted by rows, not tokens: return the summed loss and its count,
+            with ``reduction="count"``. ``count=`` without ``reduction="count"`` (or the
+            other way round) is refused, so a forgotten keyword cannot change the objective.
         count: With ``reduction="count"``, a function from a micro-batch's aux to its count
             (a number or a one-element tensor), e.g. ``lambda aux: aux[1]``.
         aux_reduction: How each aux leaf combines over micro-batches: one of ``"mean"``

@@ -28,6 +28,7 @@ from .._coupled._replay import RandomStates, reraise
 from .._coupled._stats import collect
 from .._coupled._window import cache, second_pass
 from .._errors import describe
+from .._kinds import Sum
 
 __all__ = ["Coupled", "WindowStats", "add_window", "join_failed"]
 
@@ -112,8 +113,9 @@ class WindowStats:
             their floating dtypes, or as int64 for integer and bool ones (``torch.sum``'s dtype:
             a uint8 count does not wrap; counts are exact up to 2**53).
         loss: ``loss(model, micro_batch, window)``: the micro-batch's loss, as for a plain
-            ``Step`` under its ``reduction`` (a 0-dim tensor, or ``(loss, rows)``, or
-            ``(summed_loss, count)`` under ``"count"``), with ``window`` the sums.
+            ``Step`` under its ``reduction`` (a 0-dim tensor: a mean over the micro-batch's
+            rows; or [`gradaccum.Mean`][gradaccum.Mean] / [`gradaccum.Sum`][gradaccum.Sum] over
+            its items), with ``window`` the sums.
 
     Raises:
         TypeError: ``stats`` or ``loss`` is not callable.
@@ -255,7 +257,7 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
     direct = [(targets[k], g) for k, g in done.direct]
     at = [0]
 
-    def surrogate(model: torch.nn.Module, item: Any) -> tuple[torch.Tensor, int]:
+    def surrogate(model: torch.nn.Module, item: Any) -> Sum:
         mb, grads = item
         j, at[0] = at[0], at[0] + 1
         if j == 0:
@@ -269,6 +271,6 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
         value: torch.Tensor = total - total.detach()
         if j == 0:
             value = value + done.share
-        return value, grads[0].shape[0]
+        return Sum(value, grads[0].shape[0])  # a share of the sum; its rows count the items
 
     _feed(step, surrogate, rng, list(zip(taken, done.slices)))

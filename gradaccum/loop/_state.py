@@ -155,6 +155,10 @@ def _check_window(where: str, step: Any, sd: dict[str, Any]) -> Any:
             f"they were taken with: build the Step with reduction={sd['reduction']!r}."
         )
     acc = sd["accumulator"]
+    if isinstance(acc, dict) and step.reduction == "mean" and acc.get("reduction") == "mean":
+        # Saved before issue 35, when a "mean" Step's accumulator was "mean": its sums (each
+        # micro-batch's gradient times its rows) and weight (the rows) are what "count" holds.
+        acc = {**acc, "reduction": "count"}
     paths = acc.get("paths") if isinstance(acc, dict) else None
     if isinstance(paths, list):
         saved = [_name(str(p)) for p in paths]

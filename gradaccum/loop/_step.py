@@ -43,6 +43,8 @@ from .._core.accumulator import Accumulator
 from .._core.protocol import Window, check_sync
 from .._core.state import AccumState
 from .._errors import GradAccumError, describe
+from .._kinds import Mean, Sum
+from .._layout import check_grads
 from ..boundary import clip_by_global_norm
 from ._coupled import Coupled, WindowStats, add_window, join_failed
 from ._data import Windows
@@ -65,9 +67,12 @@ class StepStats(NamedTuple):
 
     Attributes:
         window: The index of the window (the optimizer step), from 0.
-        loss: The window's global loss: the mean over its rows (``reduction="mean"``), over
-            its counted items (``"count"``: e.g. tokens), or the sum (``"sum"``).
-        items: The rows (``"mean"``, ``"sum"``) or counted items (``"count"``) of the window.
+        loss: The window's global loss, its objective: the mean over its items (the rows of
+            a bare loss, the ``n`` of a ``gradaccum.Mean`` or ``gradaccum.Sum``: e.g. tokens)
+            under ``"mean"`` and ``"count"``, whatever kinds the micro-batches returned; the
+            sum under ``"sum"``.
+        items: The window's items: the rows of each bare loss and the ``n`` of each ``Mean``
+            or ``Sum``, over every micro-batch and rank.
         micro_batches: The window's micro-batches, all ranks together.
         grad_norm: The global 2-norm of the window's gradient, before clipping.
         lr: The learning rate of the optimizer's first parameter group for this step.
@@ -90,7 +95,7 @@ class StepStats(NamedTuple):
 
     @property
     def items_per_s(self) -> float:
-        """Throughput: ``items`` (tokens under ``"count"``) per second of the window."""
+        """Throughput: ``items`` (rows, or tokens when the loss says so) per second."""
         return self.items / self.seconds if self.seconds > 0 else math.inf
 
 
@@ -100,9 +105,10 @@ def _rows(where: str, batch: Any, reduction: str) -> int:
     rule = f"under reduction={reduction!r} a micro-batch " + (
         "weighs its rows" if reduction == "mean" else "counts its rows (StepStats.items)"
     )
+    kind = "Mean" if reduction == "mean" else "Sum"
     fix = (
-        f"return (loss, rows) from the loss function, rows the number of examples its "
-        f"{reduction} covers (e.g. (loss, len(batch['input_ids'])))"
+        f"return gradaccum.{kind}(loss, rows) from the loss function, rows the number of "
+        f"examples it covers (e.g. gradaccum.{kind}(loss, len(batch['input_ids'])))"
     )
     if not leaves:
         raise ValueError(
@@ -124,6 +130,15 @@ def _rows(where: str, batch: Any, reduction: str) -> int:
         f"batch{pa} has {ra} along dim 0 and batch{pb} has {rb}, so the rows are not known; "
         f"{fix}."
     )
+
+
+def _tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _one(x: Any) -> bool:
+    """Whether ``x`` is the number 1 (a scale that changes nothing)."""
+    return isinstance(x, (int, float)) and x == 1
 
 
 def _takes_metric(scheduler: Any) -> bool:
@@ -159,12 +174,18 @@ class Step:
       ``None`` (as under DDP for a globally unused one), so the optimizer skips it: no weight
       decay, no momentum, no state. One that some micro-batch reached gets its exact gradient
       on every rank.
-    - **The weight of a micro-batch.** Under ``reduction="mean"`` a micro-batch weighs its
-      rows: the size of dim 0 shared by every tensor in it that has a dim (``x`` and ``y``
-      alike). A batch whose tensors disagree on dim 0 (a per-class weight of another length),
-      or that has no tensor with a dim, is refused: return ``(loss, rows)`` from the loss
-      function. Under ``"count"`` the loss function returns the count; under ``"sum"`` the
-      weight is the rows (or the ``rows`` returned) and only counts ``StepStats.items``.
+    - **What the loss returns says what it is.** The objective is the mean over the window's
+      items (every micro-batch, every rank). A bare 0-dim tensor is a mean over the
+      micro-batch's rows: the size of dim 0 shared by every tensor in it that has a dim (``x``
+      and ``y`` alike); a batch whose tensors disagree on dim 0 (a per-class weight of another
+      length), or that has no tensor with a dim, is refused. For other items (tokens), return
+      [`gradaccum.Mean(loss, n)`][gradaccum.Mean] (a mean over ``n`` items) or
+      [`gradaccum.Sum(loss, n)`][gradaccum.Sum] (a sum over ``n`` items); the two may be
+      mixed. A plain tuple ``(loss, k)`` is refused: ``(loss, rows)`` and
+      ``(summed_loss, count)`` look the same. A token-mean loss
+      (``F.cross_entropy(..., ignore_index=-100)``) returned bare is weighted by rows, not
+      tokens (a bare token mean cannot be told from a per-row mean): return
+      ``gradaccum.Mean(loss, (labels != -100).sum())``.
     - **Schedulers that take a metric** (``ReduceLROnPlateau``, or any ``step`` with a required
       argument) are stepped with the window's global loss, ``StepStats.loss``.
     - **Parameters frozen or unfrozen** (``requires_grad``) between windows: each window trains
@@ -183,11 +204,10 @@ class Step:
             is that of the loss over the global window, exactly. Or a
             [`WindowStats`][gradaccum.loop.WindowStats] loss (statistics of the whole window, as
             an MoE load-balancing loss needs), which takes whole windows too.
-            Under ``reduction="mean"``, the mean over the micro-batch's rows (see above; or
-            return ``(loss, rows)``); under ``"sum"``, the sum; under ``"count"``,
-            ``(summed_loss, count)``, e.g. the summed token loss and the number of tokens: the
-            window's gradient is then that of the loss summed over all micro-batches and ranks
-            divided by the total count.
+            It returns a 0-dim tensor, the mean over the micro-batch's rows, or a
+            [`gradaccum.Mean`][gradaccum.Mean] or [`gradaccum.Sum`][gradaccum.Sum] over its
+            items (see above): the window's gradient is then that of the per-item losses summed
+            over all micro-batches and ranks, divided by the total items.
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
         data: The [`Windows`][gradaccum.loop.Windows] that feed this step, or ``None``. Its
             sync is then the step's (``sync=`` may be left out), and an error while reading a
@@ -200,9 +220,14 @@ class Step:
         clip: Clip the window's gradient to this global 2-norm
             ([`clip_by_global_norm()`][gradaccum.boundary.clip_by_global_norm]); ``None``: no
             clipping.
-        reduction: ``"mean"`` (the default), ``"sum"`` or ``"count"``, as for
-            [`Accumulator`][gradaccum.Accumulator]. A ``Coupled`` loss's shares are summed
-            (``"sum"``, its default and only choice).
+        reduction: ``"mean"`` (the default): the mean over the window's items, each
+            micro-batch returning a bare loss, a ``Mean`` or a ``Sum`` (see above). ``"count"``:
+            the same objective, every micro-batch returning ``Sum(summed_loss, count)`` (a bare
+            loss or a ``Mean`` is refused; kept for code written before ``Sum``: the keyword
+            may be dropped). ``"sum"``: the plain sum of the micro-batches' gradients, nothing
+            divided; a bare loss or a ``Sum``, whose ``n`` counts ``StepStats.items`` (a
+            ``Mean`` is refused). The same words as [`accumulate`][gradaccum.accumulate]'s. A
+            ``Coupled`` loss's shares are summed (``"sum"``, its default and only choice).
         sync: ``None`` (one process, or ``data``'s sync), [`all_reduce()`][gradaccum.all_reduce],
             a [`custom_reduce()`][gradaccum.custom_reduce] (compression, DP noise), or your own
             sync whose boundary returns whole gradients. Not a
@@ -212,9 +237,9 @@ class Step:
     Raises:
         TypeError: An argument has the wrong type (a ``DistributedDataParallel`` model, a loss
             that is not callable, a sync that is not one, ``data`` that is not a ``Windows``).
-        ValueError: ``clip`` is not positive, the scheduler is not ``optimizer``'s, the model
-            has no trainable parameters, the sync is a reduce-scatter, or ``sync`` and
-            ``data``'s sync are different objects.
+        ValueError: ``clip`` is not positive, ``reduction`` is not one of the three, the
+            scheduler is not ``optimizer``'s, the model has no trainable parameters, the sync
+            is a reduce-scatter, or ``sync`` and ``data``'s sync are different objects.
 
     Examples:
         >>> import torch, gradaccum
@@ -264,6 +289,14 @@ class Step:
             )
         if reduction is None:
             reduction = "sum" if isinstance(loss, Coupled) else "mean"
+        if not isinstance(reduction, str) or reduction not in _reduce.REDUCTIONS:
+            raise ValueError(
+                f"{where}: reduction must be one of 'mean', 'sum', 'count', got "
+                f"{describe(reduction)}; leave it out for the mean over the window's items (a "
+                f"bare loss is a mean over its rows; gradaccum.Mean or gradaccum.Sum say over "
+                f"which items), pass 'sum' to add the gradients as they come, or 'count' when "
+                f"every micro-batch returns gradaccum.Sum(summed_loss, count)."
+            )
         if not isinstance(model, torch.nn.Module) or hasattr(model, "no_sync"):
             raise TypeError(
                 f"{where}: model must be a torch.nn.Module that is not wrapped in "
@@ -331,12 +364,18 @@ class Step:
         self.reduction = reduction
         self.sync = sync
         self.data = data
-        self.acc = Accumulator(OPEN, reduction, accum_dtype, sync)
-        # In the fingerprint: ranks built with another clip (or loss kind) would step apart.
+        # Under "mean" the window's weight is its items: rows (a bare loss) or a Mean's or Sum's
+        # n, a number or a tensor; the sums are divided by it as under "count".
+        self.acc = Accumulator(OPEN, "sum" if reduction == "sum" else "count", accum_dtype, sync)
+        # In the fingerprint: ranks built with another clip, reduction (the accumulator's is
+        # "count" for both "mean" and "count") or loss kind would step apart.
         kind_of_loss = {Coupled: "a coupled", WindowStats: "a window-statistics"}.get(
             type(loss), "a per-micro-batch"
         )
-        options = (f"Step(clip={clip!r}) with {kind_of_loss} loss",)
+        options = (
+            f"Step(clip={clip!r}) with {kind_of_loss} loss",
+            f"Step(reduction={reduction!r})",
+        )
         object.__setattr__(self.acc, "_options", options)
         if sync is not None:
             run_token()  # the checkpoints' run token, read while every rank is surely there
@@ -444,20 +483,52 @@ class Step:
         """The micro-batches this rank added to the window in progress."""
         return self.state.micro_step
 
-    def _split(self, where: str, out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
-        """The loss to differentiate and its weight (rows or count), checked."""
-        if self.reduction == "count":
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise TypeError(
-                    f"{where}: with reduction='count' the loss function must return "
-                    f"(summed_loss, count), got {describe(out)}; return e.g. "
-                    f"(loss_sum, (labels != -100).sum())."
+    def _split(self, where: str, out: Any, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+        """What the loss returned: ``(loss, scale, items)``, checked.
+
+        The backward of ``loss * scale`` goes into the window's sums, ``items`` into its weight
+        and ``loss * scale`` into its loss sum: a bare loss (a mean over the rows) and a ``Mean``
+        are scaled by their items, a ``Sum`` is not (nor anything under ``"sum"``).
+        """
+        red = self.reduction
+        if isinstance(out, (Mean, Sum)):
+            kind = type(out).__name__
+            if red != "mean" and isinstance(out, Mean):
+                fix = (
+                    "return gradaccum.Sum(loss * n, n) (the sum over the n items), or drop "
+                    "reduction='count' (a Mean is then weighted by its n)"
+                    if red == "count"
+                    else "return the summed loss, gradaccum.Sum(loss * n, n), or drop "
+                    "reduction='sum' to take the mean over the window's items"
                 )
-            value, weight = out
-        elif isinstance(out, (tuple, list)) and len(out) == 2:
-            value, weight = out
+                raise TypeError(
+                    f"{where}: the loss function returned gradaccum.Mean(loss, n), but under "
+                    f"reduction={red!r} every micro-batch returns a sum over its items; {fix}."
+                )
+            value, scale, items = out.loss, (out.n if kind == "Mean" else 1), out.n
+        elif isinstance(out, (tuple, list)):
+            got = ", ".join(
+                "tensor" if isinstance(x, torch.Tensor) else type(x).__name__ for x in out
+            )
+            raise TypeError(
+                f"{where}: the loss function returned a {len(out)}-{type(out).__name__} "
+                f"({got}), which does not say what the loss is: (loss, rows) and (summed_loss, "
+                f"count) look the same; return gradaccum.Mean(loss, n) for a mean over n items "
+                f"(rows or tokens), or gradaccum.Sum(loss_sum, n) for a sum over n items."
+            )
+        elif red == "count":
+            raise TypeError(
+                f"{where}: under reduction='count' the loss function returns "
+                f"gradaccum.Sum(summed_loss, count), got {describe(out)}; return e.g. "
+                f"gradaccum.Sum(loss_sum, (labels != -100).sum()), or drop reduction='count' "
+                f"for a mean over the micro-batch's rows."
+            )
         else:
-            value, weight = out, _rows(where, batch, self.reduction)
+            value = out
+            items = _rows(where, batch, red)
+            scale = items if red == "mean" else 1
+        if red == "sum":
+            scale = 1
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise TypeError(
                 f"{where}: the loss must be a 0-dim tensor, got {describe(value)}; reduce it "
@@ -468,7 +539,7 @@ class Step:
                 f"{where}: the loss does not depend on the model's trainable parameters (it "
                 f"does not require grad); compute it from model(...), outside torch.no_grad()."
             )
-        return value, weight
+        return value, scale, items
 
     def _zero(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient where the loss did not reach it (no memory of its own)."""
@@ -514,10 +585,12 @@ class Step:
 
         Raises:
             TypeError: The loss function returned the wrong kind (see ``loss`` of
-                [`Step`][gradaccum.loop.Step]).
-            ValueError: The loss does not require grad, its rows or count are out of range or
-                not known (the batch's tensors disagree on dim 0), or a parameter was frozen
-                or unfrozen in the middle of the window.
+                [`Step`][gradaccum.loop.Step]): a plain tuple, a ``Mean`` under ``"count"``
+                or ``"sum"``, a bare loss under ``"count"``, not a 0-dim tensor.
+            ValueError: The loss does not require grad, its rows are not known (the batch's
+                tensors disagree on dim 0), or a parameter was frozen or unfrozen in the
+                middle of the window. (A bad ``n`` is refused where the ``Mean`` or ``Sum`` is
+                built, in the loss function.)
         """
         where = "Step.add(batch)"
         if self._coupled is not None and not self._feeding:
@@ -531,42 +604,37 @@ class Step:
         began = False
         try:
             self._follow(where)
-            value, weight = self._split(where, self.loss(self.model, batch), batch)
+            value, scale, items = self._split(where, self.loss(self.model, batch), batch)
+            summed = value.detach() if _one(scale) else value.detach() * scale
+            metrics = {
+                "loss": summed,
+                "micro_batches": 1,
+                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
+                "used": self._on_device("no new use", (0.0,) * len(self._params)),
+            }
+            self.acc._check_add(self.state, metrics)
             if self._fast:
-                summed = value.detach() * weight if self.reduction == "mean" else value.detach()
-                size, count = (None, weight) if self.reduction == "count" else (weight, None)
-                alpha, counted = self.acc._weigh(size, count)
-                metrics = {
-                    "loss": summed,
-                    "micro_batches": 1,
-                    "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
-                    "used": self._on_device("no new use", (0.0,) * len(self._params)),
-                }
-                self.acc._check_add(self.state, metrics)
                 window = self._open(where)
                 began = True
-                metrics["used"] = self._backward(window, value, alpha)
-                self.state = self.acc._counted(self.state, window, counted, metrics)
+                metrics["used"] = self._backward(window, value, scale)
+                self.state = self.acc._counted(self.state, window, items, metrics)
                 return
-            grads = torch.autograd.grad(value, self._params, allow_unused=True)
+            # A number scales the sums in their dtype (alpha), a tensor n the backward (its seed).
+            seed, alpha = (self._seed(value, scale), 1) if _tensor(scale) else (None, scale)
+            grads = torch.autograd.grad(value, self._params, seed, allow_unused=True)
             used = tuple(g is not None for g in grads)
             tree = {
                 k: g if g is not None else self._zero(i)
                 for i, (k, g) in enumerate(zip(self._names, grads))
             }
-            summed = value.detach() * weight if self.reduction == "mean" else value.detach()
-            metrics = {
-                "loss": summed,
-                "micro_batches": 1,
-                # zeros: apply() puts this rank's count there (the same width: the buckets of the
-                # window's sums hold the tail the boundary sends)
-                "saves": self._on_device("no saves", (0.0, 0.0, 0.0)),
-                "used": self._on_device(used, used),
-            }
-            if self.reduction == "count":
-                self.state = self.acc.add(self.state, tree, count=weight, metrics=metrics)
-            else:
-                self.state = self.acc.add(self.state, tree, size=weight, metrics=metrics)
+            # zeros: apply() puts this rank's count there (the same width: the buckets of the
+            # window's sums hold the tail the boundary sends)
+            metrics["used"] = self._on_device(used, used)
+            window = self.acc._live(where, self.state)
+            window.begin(1)
+            window.add(check_grads(where, self.state.layout, tree), alpha)
+            window.step()
+            self.state = self.acc._counted(self.state, window, items, metrics)
         except BaseException:
             if self.sync is not None:
                 self._abort()
@@ -678,18 +746,29 @@ class Step:
             p.grad = self._win.adopt(self._slot[i], p.grad)  # type: ignore[union-attr]
         self._hit.append(i)
 
-    def _backward(self, window: Window, value: torch.Tensor, alpha: float) -> torch.Tensor:
-        """Backward of ``value``, scaled by ``alpha``, into the sums; the ``used`` metric's mask.
+    def _seed(self, value: torch.Tensor, scale: Any) -> torch.Tensor:
+        """``scale`` (a number, or a ``Mean``'s tensor ``n``) as the seed of ``value``'s backward.
 
-        The mask has a 1 for each parameter that this backward reached first in the window, so
-        its sum over the window is 1 for a parameter that any micro-batch reached (0 else).
+        In ``value``'s dtype and on its device; a number's seed is made once (no copy per
+        micro-batch), a tensor's is converted on the device (no host sync).
         """
-        key = (alpha, value.dtype, value.device)
+        if _tensor(scale):
+            return cast(torch.Tensor, scale).to(device=value.device, dtype=value.dtype)
+        key = (scale, value.dtype, value.device)
         seed = self._seeds.get(key)
         if seed is None:
             if len(self._seeds) >= _MASKS:
                 self._seeds.clear()
-            seed = self._seeds[key] = torch.full((), alpha, dtype=value.dtype, device=value.device)
+            seed = self._seeds[key] = torch.full((), scale, dtype=value.dtype, device=value.device)
+        return seed
+
+    def _backward(self, window: Window, value: torch.Tensor, scale: Any) -> torch.Tensor:
+        """Backward of ``value``, scaled by ``scale``, into the sums; the ``used`` metric's mask.
+
+        The mask has a 1 for each parameter that this backward reached first in the window, so
+        its sum over the window is 1 for a parameter that any micro-batch reached (0 else).
+        """
+        seed = self._seed(value, scale)
         params = self._params
         window.begin(1)
         torch.autograd.backward(value, seed, inputs=params)
@@ -741,7 +820,7 @@ class Step:
             The window's [`StepStats`][gradaccum.loop.StepStats].
 
         Raises:
-            ValueError: The window is empty on every rank, or its rows or counts add up to 0.
+            ValueError: The window is empty on every rank, or its items add up to 0.
             GradAccumError: Under a sync: the ranks disagree (on the trainable parameters, or
                 on how many times they called ``loop.save`` in the window: then the optimizer
                 has not stepped on any rank), another rank failed, or a collective failed or
