@@ -190,3 +190,31 @@ def launch(
             stderr += f"\nHUNG: still running {deadline:g} s after the launch (killed)"
         out.append((p.returncode, stdout, stderr))
     return out
+
+
+def torchrun(
+    script: str, *args: str, env: dict[str, str] | None = None, deadline: float = 120.0
+) -> tuple[int | None, str]:
+    """Run ``torchrun --standalone --nproc-per-node 2 script *args`` (a free port on
+    127.0.0.1); its exit code (non-zero when a rank failed) and its output, both ranks' lines
+    and torchrun's own. Bounded: what still runs at ``deadline`` seconds is killed."""
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={WORLD}", script, *args]
+    run_env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    }
+    try:
+        done = subprocess.run(
+            cmd, env=run_env, capture_output=True, text=True, timeout=deadline, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+        return None, out + f"\nHUNG: still running {deadline:g} s after the launch (killed)"
+    return done.returncode, done.stdout + done.stderr

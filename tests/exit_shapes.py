@@ -158,6 +158,7 @@ elif SHAPE == "pure":
 else:
     raise SystemExit(f"exit_shapes.py: unknown shape {SHAPE!r}")
 
-kept = len(inflight.ended(GROUP())) if GROUP() is not None else 0
+ended = getattr(inflight, "ended", None)  # (the stress run also runs older gradaccums)
+kept = len(ended(GROUP())) if ended is not None and GROUP() is not None else 0
 dist.destroy_process_group()
 print(f"RESULT rank={RANK} shape={SHAPE} freed={GROUP() is None} kept={kept}", flush=True)
