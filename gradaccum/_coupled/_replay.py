@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-
 __all__ = ["KeptBuffers", "RandomStates", "reraise"]
 
 
