@@ -1,4 +1,4 @@
-"""Data-parallel training with gradient accumulation: one all_reduce per optimizer step.
+"""Data-parallel training with gradient accumulation: 2 all_reduces per optimizer step.
 
 Every rank holds its shard of each global batch (here generated from a shared seed, so that the
 ranks agree without communicating), splits it into ``-n`` micro-batches and accumulates their

@@ -423,7 +423,7 @@ def check_no_transform(where: str) -> None:
     raise ValueError(f"{where}: called under {names}; {why}. Instead, {fix}.")
 
 
-# -- activation checkpointing (docs/checkpointing.md) -----------------------------------------
+# -- activation checkpointing (docs/activation-checkpointing.md) -----------------------------------
 
 # torch's error when a reentrant checkpoint meets torch.autograd.grad or backward(inputs=...).
 _REENTRANT = re.compile(r"(not compatible|incompatible) with \.grad\(\)")

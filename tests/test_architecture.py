@@ -351,6 +351,7 @@ def test_checker_counts_every_kind_of_import(toy: Path) -> None:
 MAX_PARAMS = 8
 PUBLIC_SIGNATURES = {
     "_core/accumulate.py: accumulate",  # its keyword options
+    "_core/accumulate.py: accumulate_as",  # accumulate's, and the call its errors name
     "loop/_step.py: __init__",  # gradaccum.loop.Step(...)
 }
 

@@ -4,7 +4,7 @@ What works is proved exactly in float64 against the whole-batch gradient of the 
 without checkpointing, in one process and on 2 gloo ranks with an overlapped all-reduce. What
 cannot work is refused with an error that says the fix: reentrant checkpointing under
 gradaccum's backward, torch.func transforms over a checkpoint, and (the silent one) a recompute
-that reads other weights than the forward did. ``docs/checkpointing.md`` has the table.
+that reads other weights than the forward did. ``docs/activation-checkpointing.md`` has the table.
 """
 
 from __future__ import annotations

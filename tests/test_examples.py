@@ -335,6 +335,7 @@ def test_migration(ranks: int) -> None:
         "pages/scale.py",
         "pages/reductions.py",
         "pages/sync.py",
+        "pages/checkpoints.py",  # a save every K micro-batches on uneven ranks, each resumed
     ],
 )
 def test_page_programs(program: str, tmp_path: Path) -> None:

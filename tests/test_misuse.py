@@ -3072,6 +3072,147 @@ case(
 )
 
 
+# The messages that named a call the user never wrote (issue 35, section 5): pass 2's inner
+# accumulate of coupled() and window_stats(), Step.add run by add_window, an empty window's
+# apply() ("call add() at least once before finalize()"), and torch's words for a loss that
+# edits reps in place.
+
+
+def _empty_coupled_step() -> NS:
+    model = torch.nn.Linear(3, 2).to(F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = gradaccum.loop.Step(model, gradaccum.loop.Coupled(_model_embed, _model_info), opt)
+    return {"model": model, "opt": opt, "step": step}
+
+
+def _model_embed(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(model(x))
+
+
+def _model_info(model: torch.nn.Module, z: torch.Tensor, rows: gradaccum.Rows) -> torch.Tensor:
+    return (z[rows.local] @ z.T).logsumexp(-1).sum() / rows.total
+
+
+def _scales_reps(model: torch.nn.Module, z: torch.Tensor, rows: gradaccum.Rows) -> torch.Tensor:
+    z.mul_(2.0)  # in place, on the representations the gradient is taken for
+    return _model_info(model, z, rows)
+
+
+def _zeroes_a_row(p: Any, z: torch.Tensor, rows: gradaccum.Rows) -> torch.Tensor:
+    z[0] = 0.0
+    return _info(p, z, rows)
+
+
+def _window_step(loss: Any, **kw: Any) -> NS:
+    model = torch.nn.Linear(3, 2).to(F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = gradaccum.loop.Step(model, loss, opt, **kw)
+    window = [x(4), x(4) + 1]
+    return {"model": model, "opt": opt, "step": step, "window": window}
+
+
+def _rows_positive(model: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+    return (b[:, 0] > 0).sum()
+
+
+def _loss_and_rows(model: torch.nn.Module, b: torch.Tensor, count: torch.Tensor) -> Any:
+    return model(b).pow(2).mean() / count, len(b)
+
+
+def _detached(model: torch.nn.Module, b: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return b.sum() / count
+
+
+def _int_param(ns: NS) -> NS:
+    return {**ns["params"], "steps": torch.tensor(3)}
+
+
+case(
+    "step-apply-empty-window",
+    lambda: loop_step(added=0),
+    lambda ns: ns["step"].apply(),
+    ValueError,
+    "Step.apply(): no micro-batch was added in window 1",
+    "step.add(batch)",
+    item="35",
+    absent=("finalize()", "add() at least once"),
+)
+case(
+    "step-apply-empty-window-coupled",
+    _empty_coupled_step,
+    lambda ns: ns["step"].apply(),
+    ValueError,
+    "Step.apply(): no micro-batch was added in window 0",
+    "step.add_window(window)",
+    item="35",
+)
+case(
+    "coupled-pass-2-params-leaf-int",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_embed, _info, 2)(_int_param(ns), ns["x"]),
+    TypeError,
+    "coupled(_embed, _info, n=2)(params, batch): params leaf ['steps']",
+    item="35",
+    absent=("accumulate(", "surrogate"),
+)
+case(
+    "window_stats-pass-2-loss-not-a-scalar",
+    pb,
+    lambda ns: gradaccum.window_stats(_positives, lambda p, b, c: b[0] @ p["w"], 2)(
+        ns["params"], ns["batch"]
+    ),
+    TypeError,
+    "window_stats(_positives, <lambda>, n=2)(params, batch): the function must return a scalar",
+    item="35",
+    absent=("accumulate(",),
+)
+case(
+    "window_stats-pass-2-loss-int",
+    pb,
+    lambda ns: gradaccum.window_stats(_positives, lambda p, b, c: c, 2)(ns["params"], ns["batch"]),
+    TypeError,
+    "window_stats(_positives, <lambda>, n=2)(params, batch): the loss has dtype int64",
+    item="35",
+    absent=("accumulate(",),
+)
+case(
+    "add_window-pass-2-loss-returns-a-tuple",
+    lambda: _window_step(gradaccum.loop.WindowStats(_rows_positive, _loss_and_rows)),
+    lambda ns: ns["step"].add_window(ns["window"]),
+    TypeError,
+    "Step.add_window(batches): the loss function returned a 2-tuple",
+    item="35",
+    absent=("Step.add(batch)",),
+)
+case(
+    "add_window-pass-2-loss-without-grad",
+    lambda: _window_step(gradaccum.loop.WindowStats(_rows_positive, _detached)),
+    lambda ns: ns["step"].add_window(ns["window"]),
+    ValueError,
+    "Step.add_window(batches): the loss does not depend",
+    item="35",
+    absent=("Step.add(batch)",),
+)
+case(
+    "coupled-loss-edits-reps-in-place",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_embed, _zeroes_a_row, 2)(ns["params"], ns["x"]),
+    RuntimeError,
+    "coupled(_embed, _zeroes_a_row, n=2)(params, batch): the loss edited reps in place",
+    "reps = reps.clone()",
+    item="35",
+)
+case(
+    "Coupled-loss-edits-reps-in-place",
+    lambda: _window_step(gradaccum.loop.Coupled(_model_embed, _scales_reps)),
+    lambda ns: ns["step"].add_window(ns["window"]),
+    RuntimeError,
+    "Step.add_window(batches): the loss edited reps in place",
+    "reps = reps.clone()",
+    item="35",
+)
+
+
 # -- the pinned messages -------------------------------------------------------------------------
 # The whole message of a case, character for character: a message changed on purpose is changed
 # here. (Cases without an entry check the words in their ``names`` only.)
@@ -4095,6 +4236,50 @@ MESSAGES: dict[str, str] = {
         "[0] has 8 rows but [1] has 6; every tensor in a batch must have the same number of "
         "rows. Give every tensor leaf of the batch the same number of rows, or pass tensors "
         "that are not split by row through another argument of step_fn."
+    ),
+    "step-apply-empty-window": (
+        "Step.apply(): no micro-batch was added in window 1, so there is no gradient to apply; "
+        "add the window's micro-batches first (step.add(batch)), then call step.apply()."
+    ),
+    "step-apply-empty-window-coupled": (
+        "Step.apply(): no micro-batch was added in window 0, so there is no gradient to apply; "
+        "add the window's micro-batches first (step.add_window(window)), then call "
+        "step.apply()."
+    ),
+    "coupled-pass-2-params-leaf-int": (
+        "coupled(_embed, _info, n=2)(params, batch): params leaf ['steps'] has dtype int64; "
+        "gradients exist only for floating tensors. Move it out of the params pytree (into "
+        "buffers, or another argument of step_fn)."
+    ),
+    "window_stats-pass-2-loss-not-a-scalar": (
+        "window_stats(_positives, <lambda>, n=2)(params, batch): the function must return a "
+        "scalar (0-dim) loss tensor, got a tensor of shape (4,); reduce it with .mean() or "
+        ".sum()."
+    ),
+    "window_stats-pass-2-loss-int": (
+        "window_stats(_positives, <lambda>, n=2)(params, batch): the loss has dtype int64; it "
+        "must be a floating tensor to be differentiated."
+    ),
+    "add_window-pass-2-loss-returns-a-tuple": (
+        "Step.add_window(batches): the loss function returned a 2-tuple (tensor, int), which "
+        "does not say what the loss is: (loss, rows) and (summed_loss, count) look the same; "
+        "return gradaccum.Mean(loss, n) for a mean over n items (rows or tokens), or "
+        "gradaccum.Sum(loss_sum, n) for a sum over n items."
+    ),
+    "add_window-pass-2-loss-without-grad": (
+        "Step.add_window(batches): the loss does not depend on the model's trainable parameters "
+        "(it does not require grad); compute it from model(...), outside torch.no_grad()."
+    ),
+    "coupled-loss-edits-reps-in-place": (
+        "coupled(_embed, _zeroes_a_row, n=2)(params, batch): the loss edited reps in place "
+        "(torch: a view of a leaf Variable that requires grad is being used in an in-place "
+        "operation); compute on a copy: reps = reps.clone(), or with out-of-place ops (z = z / "
+        "t, not z.div_(t))."
+    ),
+    "Coupled-loss-edits-reps-in-place": (
+        "Step.add_window(batches): the loss edited reps in place (torch: a leaf Variable that "
+        "requires grad is being used in an in-place operation); compute on a copy: reps = "
+        "reps.clone(), or with out-of-place ops (z = z / t, not z.div_(t))."
     ),
 }
 

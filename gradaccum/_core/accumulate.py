@@ -25,7 +25,7 @@ from .._layout import Layout, check_accum_dtype, check_n
 from . import engine
 from .protocol import LOCAL, Sync, check_sync
 
-__all__ = ["accumulate"]
+__all__ = ["accumulate", "accumulate_as"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -165,8 +165,47 @@ def accumulate(
         [`Accumulator`][gradaccum.Accumulator] for loops fed one micro-batch at a time;
         [`compare()`][gradaccum.testing.compare] to check a step function against the whole batch.
     """
+    return accumulate_as(
+        None,
+        step_fn,
+        n,
+        has_aux=has_aux,
+        reduction=reduction,
+        count=count,
+        aux_reduction=aux_reduction,
+        argnums=argnums,
+        batch_argnum=batch_argnum,
+        accum_dtype=accum_dtype,
+        sync=sync,
+        micro_transform=micro_transform,
+    )
+
+
+def accumulate_as(
+    call: str | None,
+    step_fn: Callable[P, R],
+    n: int,
+    *,
+    has_aux: bool | None = None,
+    reduction: _reduce.Reduction = "mean",
+    count: Callable[[Any], int | float | torch.Tensor] | None = None,
+    aux_reduction: Any = None,
+    argnums: int | tuple[int, ...] | None = None,
+    batch_argnum: int = 1,
+    accum_dtype: torch.dtype | None = None,
+    sync: Sync | None = None,
+    micro_transform: Callable[[Any], Any] | None = None,
+) -> Callable[P, R]:
+    """``accumulate``, whose calls' errors name ``call`` (``None``: ``accumulate(fn, n=...)(...)``).
+
+    For a transform that runs one inside its own call (the second pass of ``coupled`` and
+    ``window_stats``): a user who called ``coupled(embed, loss, n=4)(params, batch)`` reads that
+    call in a message, not an ``accumulate`` they never wrote. Its arguments are
+    [`accumulate()`][gradaccum.accumulate]'s.
+    """
     name = getattr(step_fn, "__name__", None) or type(step_fn).__name__
     where = f"accumulate({name}, n={n!r})"
+    named = call if call is not None else f"{where}(...)"
     if not callable(step_fn):
         raise TypeError(
             f"accumulate(step_fn, n): step_fn must be callable, got {describe(step_fn)}; pass "
@@ -236,7 +275,7 @@ def accumulate(
 
     @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def accumulated(*args: P.args, **kwargs: P.kwargs) -> R:
-        call = f"{where}(...)"
+        call = named
         check_no_transform(call)  # before anything: a refused call changes nothing
         engine.check_nesting(call, reduction)
         if len(args) <= top:

@@ -21,7 +21,7 @@ import torch
 
 from .. import _split, _tree
 from .._autograd import check_no_transform, grad, grad_on
-from .._core.accumulate import accumulate
+from .._core.accumulate import accumulate_as
 from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import describe
@@ -158,12 +158,13 @@ def coupled(
     check_sync(where, sync)
     kind = sync if sync is not None else LOCAL
     ctx = _Pass2(embed)
-    inner = accumulate(grad(ctx.surrogate), n, reduction="sum", sync=sync)
+    call = f"{where}(params, batch)"
+    # Pass 2's accumulate: its errors name the user's call, never accumulate(surrogate, ...).
+    inner = accumulate_as(call, grad(ctx.surrogate), n, reduction="sum", sync=sync)
     opened = [0]
 
     @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
-        call = f"{where}(params, batch)"
         check_no_transform(call)
         check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
@@ -199,7 +200,7 @@ def coupled(
         ctx.rng, ctx.floating, ctx.next, ctx.done = rng, done.leaves.floating, 0, done
         ctx.direct = [(at[k], g) for k, g in done.direct]
         try:
-            grads = second_pass(call, rng, lambda: inner(params, _split.MicroBatches(items)))
+            grads = second_pass(rng, lambda: inner(params, _split.MicroBatches(items)))
         finally:
             ctx.direct, ctx.done = [], None
         return grads, done.value

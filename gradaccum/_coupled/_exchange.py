@@ -44,6 +44,11 @@ class Rows:
     ``start`` to ``stop`` of ``total``. In-batch targets across ranks are global offsets:
     ``rows.arange()`` (``torch.arange(start, stop)``).
 
+    The loss returns this rank's share: the ranks' shares are summed. A loss written for the
+    whole batch, ignoring ``rows``, is exact in one process (the share is the whole loss) but
+    on ``w`` ranks gives ``w`` times the objective and its gradient, without an error: compute
+    the loss of ``reps[rows.local]`` against all the rows and divide by ``rows.total``.
+
     Attributes:
         start: The global index of this rank's first row (the rows of the ranks before it).
         stop: One past its last row.

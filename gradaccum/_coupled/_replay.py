@@ -11,14 +11,11 @@ what pass 1 left.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-from .._errors import GradAccumError
-
-__all__ = ["KeptBuffers", "RandomStates", "renamed", "reraise"]
+__all__ = ["KeptBuffers", "RandomStates", "reraise"]
 
 
 class RandomStates:
@@ -91,14 +88,6 @@ class KeptBuffers:
                 for buf, copy in kept:
                     buf.copy_(copy)
         self.saved.clear()
-
-
-_INNER = re.compile(r"^accumulate\(.*?, n=\d+\)\(\.\.\.\)")
-
-
-def renamed(err: GradAccumError, call: str) -> GradAccumError:
-    """``err`` from pass 2's inner ``accumulate``, named after the user's ``call``."""
-    return GradAccumError(_INNER.sub(lambda _: call, str(err), count=1))
 
 
 def reraise(err: BaseException, *_args: Any) -> Any:

@@ -19,7 +19,7 @@ import torch
 
 from .. import _reduce, _tree
 from .._autograd import check_no_transform, grad_and_value, grad_on
-from .._core.accumulate import accumulate
+from .._core.accumulate import accumulate_as
 from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import GradAccumError, describe
@@ -127,12 +127,12 @@ def window_stats(
         )
     kind = sync if sync is not None else LOCAL
     ctx = _Pass2(loss)
-    inner = accumulate(grad_and_value(ctx.step), n, reduction=reduction, sync=sync)
+    call = f"{where}(params, batch)"
+    inner = accumulate_as(call, grad_and_value(ctx.step), n, reduction=reduction, sync=sync)
     opened = [0]
 
     @grad_on  # exact under torch.no_grad() and torch.inference_mode(), as torch.func.grad is
     def step(params: Any, batch: Any) -> tuple[Any, torch.Tensor]:
-        call = f"{where}(params, batch)"
         check_no_transform(call)
         check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
@@ -141,7 +141,7 @@ def window_stats(
         forwards = [(functools.partial(stats, start.params, mb), r) for mb, r in start.micro]
         window = collect(call, forwards, start.failure, rng, start.exchange, index, start.device)
         ctx.rng, ctx.next = rng, 0
-        return second_pass(call, rng, lambda: inner(params, batch, window))  # type: ignore[no-any-return]
+        return second_pass(rng, lambda: inner(params, batch, window))  # type: ignore[no-any-return]
 
     return functools.wraps(loss)(step) if not torch.compiler.is_compiling() else step
 

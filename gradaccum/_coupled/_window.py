@@ -19,7 +19,7 @@ from .._core.protocol import LOCAL, Sync
 from .._errors import GradAccumError, describe
 from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Leaves, Rows
-from ._replay import KeptBuffers, RandomStates, renamed
+from ._replay import KeptBuffers, RandomStates
 
 __all__ = ["Cached", "Opened", "cache", "name_of", "open_call", "second_pass"]
 
@@ -76,18 +76,17 @@ def open_call(call: str, sync: Sync, params: Any, batch: Any, n: int, fn: str) -
     return Opened(exchange, micro, failure, full, device)
 
 
-def second_pass(call: str, rng: RandomStates, run: Callable[[], T]) -> T:
+def second_pass(rng: RandomStates, run: Callable[[], T]) -> T:
     """Pass 2: ``run()`` with pass 1's random states to replay, and module buffers kept.
 
-    The random state ends as pass 1 left it; an error of the inner ``accumulate`` is named
-    after ``call``.
+    The random state ends as pass 1 left it. ``run``'s errors name the user's call already:
+    the inner ``accumulate`` is built with it (``accumulate_as``), and ``Step.add`` run by
+    ``add_window`` names ``Step.add_window(batches)``.
     """
     rng.end_of_pass()
     try:
         with KeptBuffers():
             return run()
-    except GradAccumError as err:  # named after this call, not the inner accumulate
-        raise renamed(err, call) from err
     finally:
         rng.restore()
 
@@ -339,7 +338,27 @@ def _loss(
         direct = [(i, g) for i, g in enumerate(got[k:]) if g is not None]
         return share.detach(), list(got[:k]), direct, None
     except Exception as err:  # joined as failed (with a sync), then re-raised
-        return share, [None] * len(leaves.floating), [], err
+        return share, [None] * len(leaves.floating), [], _in_place(call, err)
+
+
+_LEAF_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _in_place(call: str, err: Exception) -> Exception:
+    """``err``, explained when it is torch's refusal of an in-place edit of ``reps``.
+
+    The representations the loss gets are leaves of the graph its gradient is taken on, so an
+    in-place operation on them (``reps.mul_(2)``, ``reps[0] = 0``) raises in torch with words
+    that name neither the loss nor ``reps``.
+    """
+    if not isinstance(err, RuntimeError) or _LEAF_IN_PLACE not in str(err):
+        return err
+    explained = RuntimeError(
+        f"{call}: the loss edited reps in place (torch: {str(err).rstrip('.')}); compute on a "
+        f"copy: reps = reps.clone(), or with out-of-place ops (z = z / t, not z.div_(t))."
+    )
+    explained.__cause__ = err
+    return explained
 
 
 def _flat_grads(

@@ -216,7 +216,7 @@ def _feed(step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[An
     kept, step.loss = step.loss, loss
     step._feeding = True
     try:
-        second_pass("Step.add_window(batches)", rng, add_all)
+        second_pass(rng, add_all)
     finally:
         step.loss, step._feeding = kept, False
 

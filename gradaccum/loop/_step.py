@@ -592,7 +592,8 @@ class Step:
                 middle of the window. (A bad ``n`` is refused where the ``Mean`` or ``Sum`` is
                 built, in the loss function.)
         """
-        where = "Step.add(batch)"
+        # Run by add_window's pass 2 (a Coupled or WindowStats loss), it is named after that call.
+        where = "Step.add_window(batches)" if self._feeding else "Step.add(batch)"
         if self._coupled is not None and not self._feeding:
             raise TypeError(
                 f"{where}: this step's loss is {self._coupled!r}, which needs the whole window at "
@@ -820,13 +821,21 @@ class Step:
             The window's [`StepStats`][gradaccum.loop.StepStats].
 
         Raises:
-            ValueError: The window is empty on every rank, or its items add up to 0.
+            ValueError: The window is empty (in one process: no micro-batch was added; under a
+                sync: on every rank), or its items add up to 0.
             GradAccumError: Under a sync: the ranks disagree (on the trainable parameters, or
                 on how many times they called ``loop.save`` in the window: then the optimizer
                 has not stepped on any rank), another rank failed, or a collective failed or
                 timed out (see ``Accumulator.finalize``).
         """
         where = "Step.apply()"
+        if self.state.micro_step == 0 and self.sync is None:  # one process: nothing to apply
+            add = "step.add_window(window)" if self._coupled is not None else "step.add(batch)"
+            raise ValueError(
+                f"{where}: no micro-batch was added in window {self.window}, so there is no "
+                f"gradient to apply; add the window's micro-batches first ({add}), then call "
+                f"step.apply()."
+            )
         if self.state.micro_step == 0:  # an empty window trains what the other ranks' do
             self._follow(where)
         saves, names, params = self._saves, self._names, self._params
