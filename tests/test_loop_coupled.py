@@ -593,3 +593,44 @@ def test_a_frozen_encoder_with_a_trained_temperature_matches_plain_pytorch() -> 
 @pytest.mark.distributed
 def test_a_frozen_encoder_with_a_trained_temperature_on_ranks() -> None:
     assert all(d < TOL for d in values(run(_frozen, timeout=120)))
+
+
+def _uneven(rank: int, world: int, kind: str) -> float:
+    # examples/lm_loop.py's layout: 21 and 20 micro-batches per rank, windows of 4, so the last
+    # window has 1 micro-batch on rank 0 and none on rank 1 (windows() yields it empty there).
+    g = torch.Generator().manual_seed(5)
+    flat = []
+    for count in (21, 20)[:world]:
+        mbs = []
+        for i in range(count):
+            q = torch.randn(2 + i % 2, 6, generator=g, dtype=DT)
+            mbs.append({"q": q, "d": q + 0.3 * torch.randn(q.shape, generator=g, dtype=DT)})
+        flat.append(mbs)
+    sync = gradaccum.all_reduce() if world > 1 else None
+    data = windows(flat[rank], 4, sync=sync)
+    if kind == "coupled":
+        model: nn.Module = Encoder()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        step = Step(model, Coupled(embed, clip_loss), opt, data=data)
+        torch.manual_seed(7)
+    else:
+        model = MoE(0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+        step = Step(model, WindowStats(moe_stats, moe_loss), opt, data=data, clip=0.5)
+        torch.manual_seed(9)
+    losses, sizes = [], []
+    for window in data:
+        sizes.append(len(window))
+        step.add_window(window)
+        losses.append(step.apply().loss)
+    assert sizes == [4] * 5 + [1 - rank], sizes
+    per_window = [[flat[r][4 * i : 4 * i + 4] for r in range(world)] for i in range(6)]
+    if kind == "coupled":
+        return _compare((model, losses), _reference(world, per_window, 0.0, False, None))
+    return _compare((model, losses), _moe_reference(world, per_window, drop=0.0))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["coupled", "stats"])
+def test_a_rank_with_no_micro_batch_in_a_window_is_exact(kind: str) -> None:
+    assert all(d < TOL for d in values(run(_uneven, kind, timeout=180)))

@@ -162,8 +162,9 @@ def _exchange(where: str, step: Any) -> Exchange | None:
     sync = step.sync
     if sync is None:
         return None
-    fn = "stats" if isinstance(step._coupled, WindowStats) else "embed"
-    return Exchange(where, sync.data_group(), sync.timeout, fn=fn)
+    if isinstance(step._coupled, WindowStats):  # each micro-batch counts as one in the agreement
+        return Exchange(where, sync.data_group(), sync.timeout, fn="stats", unit="micro-batches")
+    return Exchange(where, sync.data_group(), sync.timeout, fn="embed")
 
 
 def join_failed(step: Any, err: BaseException) -> None:
@@ -290,6 +291,7 @@ def _coupled_window(step: Any, batches: Iterable[Any]) -> None:
         _exchange(where, step),
         step.window,
         device,
+        empty_ok=True,
     )
     floating = done.leaves.floating
     direct = [(targets[k], g) for k, g in done.direct]
