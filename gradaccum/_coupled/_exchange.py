@@ -122,13 +122,22 @@ class Exchange:
     """The three collectives of a coupled window over the sync's data-parallel group."""
 
     def __init__(
-        self, where: str, group: Any, timeout: float | None, fn: str = "embed", unit: str = "rows"
+        self,
+        where: str,
+        group: Any,
+        timeout: float | None,
+        fn: str = "embed",
+        unit: str = "rows",
+        empty_ok: bool | None = None,
     ) -> None:
         # What pass 1 runs, and what it makes, in the messages: embed's representations, or
         # window_stats' statistics; and what the agreement counts per rank: rows, or (for
-        # loop.WindowStats) micro-batches.
+        # loop.WindowStats) micro-batches. ``empty_ok``: ranks without rows are allowed (not
+        # all of them; ``layout`` then gives them the others'): for the statistics, and for
+        # loop.Coupled (where such a rank's share is 0); not for the functional coupled().
         self.fn, self.made = fn, "representations" if fn == "embed" else "statistics"
         self.unit = unit
+        self.empty_ok = fn == "stats" if empty_ok is None else empty_ok
         if is_mesh(group) and group.ndim != 1:
             raise ValueError(
                 f"{where}: the sync's data is split over a {group.ndim}-D mesh, but the "
@@ -146,13 +155,8 @@ class Exchange:
         leaves: Leaves | None,
         index: int,
         device: torch.device,
-        empty_ok: bool = False,
     ) -> list[int]:
-        """Every rank's rows; raise on every rank if one failed or the ranks disagree.
-
-        ``empty_ok``: ranks without rows are allowed (not all of them); ``layout`` then gives
-        them the others' layout.
-        """
+        """Every rank's rows; raise on every rank if one failed or the ranks disagree."""
         h = digest(leaves.lines()) % 2**62 if leaves is not None else -1
         mine = torch.tensor([rows, int(failed), h, index], dtype=torch.int64, device=device)
         out = torch.empty(self.world * 4, dtype=torch.int64, device=device)
@@ -178,7 +182,7 @@ class Exchange:
             )
         counts = [t[0] for t in table]
         empty = [r for r, n in enumerate(counts) if n == 0]
-        if empty and not empty_ok:
+        if empty and not self.empty_ok:
             raise GradAccumError(
                 f"{where}: rank(s) {empty} have no rows in this window (rows by rank: "
                 f"{counts}); coupled() needs at least one row on every rank; give every rank "

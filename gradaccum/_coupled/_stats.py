@@ -177,7 +177,7 @@ def collect(
     rows = sum(r for _, r in forwards) if failure is None else 0
     at = sums.device if sums is not None else device
     if exchange is not None:
-        per_rank = exchange.agree(rows, failure is not None, layout, index, at, empty_ok=True)
+        per_rank = exchange.agree(rows, failure is not None, layout, index, at)
         if failure is None and 0 in per_rank:  # a rank without any: the others' layout
             layout = exchange.layout(layout, per_rank, at)
     if failure is not None:

@@ -134,23 +134,20 @@ def cache(
     exchange: Exchange | None,
     index: int,
     device: torch.device,
-    empty_ok: bool = False,
 ) -> Cached:
     """Pass 1, the exchange, the loss and its gradient: what pass 2 needs.
 
     ``forwards``: each micro-batch's ``embed`` call, and its rows if known. ``run_loss(reps,
     rows)``: this rank's share; its gradient is taken for the representations and ``targets``.
-    ``empty_ok``: a rank may have no rows (``loop.Coupled``): its share is 0 by definition (its
-    loss is not run), and it sends zeros for the gradient.
+    A rank without rows (where the exchange allows it: ``loop.Coupled``) holds a share of 0: its
+    loss is not run, and it sends zeros for the gradient.
 
     With a sync every rank takes part in each collective even when it failed: in pass 1 it
     joins the agreement flagged, and every rank raises there; in the loss it sends zeros and
     raises in pass 2 (``Cached.check``), inside the sync's window, whose boundary tells the
     others. The failing rank raises its own error.
     """
-    leaves, spec, local, per_rank, sizes = _first(
-        call, forwards, rng, exchange, index, device, empty_ok
-    )
+    leaves, spec, local, per_rank, sizes = _first(call, forwards, rng, exchange, index, device)
     total = sum(per_rank)
     rank = exchange.rank if exchange is not None else 0
     start = sum(per_rank[:rank])
@@ -194,11 +191,10 @@ def _first(
     exchange: Exchange | None,
     index: int,
     device: torch.device,
-    empty_ok: bool = False,
 ) -> tuple[Leaves, Any, list[torch.Tensor], list[int], list[int]]:
     """Pass 1: every micro-batch embedded without a graph; the ranks' rows agreed.
 
-    A rank without rows (``empty_ok``) gets the layout from the others, and no rows of it.
+    A rank without rows (where the exchange allows it) gets the layout from the others.
     """
     leaves: Leaves | None = None
     spec: Any = None
@@ -218,7 +214,7 @@ def _first(
         failure = err
     rows = sum(sizes) if failure is None else 0
     if exchange is not None:
-        per_rank = exchange.agree(rows, failure is not None, leaves, index, device, empty_ok)
+        per_rank = exchange.agree(rows, failure is not None, leaves, index, device)
         if failure is None and 0 in per_rank:  # (agree raised on every rank if all have none)
             leaves = exchange.layout(leaves, per_rank, device)
     else:

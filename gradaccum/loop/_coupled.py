@@ -164,7 +164,7 @@ def _exchange(where: str, step: Any) -> Exchange | None:
         return None
     if isinstance(step._coupled, WindowStats):  # each micro-batch counts as one in the agreement
         return Exchange(where, sync.data_group(), sync.timeout, fn="stats", unit="micro-batches")
-    return Exchange(where, sync.data_group(), sync.timeout, fn="embed")
+    return Exchange(where, sync.data_group(), sync.timeout, fn="embed", empty_ok=True)
 
 
 def join_failed(step: Any, err: BaseException) -> None:
@@ -291,7 +291,6 @@ def _coupled_window(step: Any, batches: Iterable[Any]) -> None:
         _exchange(where, step),
         step.window,
         device,
-        empty_ok=True,
     )
     floating = done.leaves.floating
     direct = [(targets[k], g) for k, g in done.direct]
