@@ -29,7 +29,9 @@ disagree or fail), ``exit`` (a normal interpreter exit after a fault), ``transfo
 (``torch.func`` over ``accumulate``), ``privacy`` (``clip_per_sample`` and ``dp_noise`` under
 ``reduction="mean"``) and ``windows`` (bad arguments of ``windows()``); ``kinds`` follows issue
 35, section 2 (what a ``Step`` loss returns: a bare mean, a plain tuple, ``gradaccum.Mean`` or
-``gradaccum.Sum``, against the token mean over the window).
+``gradaccum.Sum``, against the token mean over the window); ``coupled`` follows its section 4
+(``loop.Coupled`` and ``loop.WindowStats``: a window that failed and is added again, a frozen
+encoder with a trained temperature, a rank with no micro-batch).
 
 The probes use API forms that exist both before issue 26 and after it (``optimizer=`` by
 keyword, ``loop.save(path, step=step, data=data)``; the typed returns where the code has them),
@@ -2511,6 +2513,156 @@ def p_kinds_2ranks_tuple_on_one_rank(rank: int, world: int, tmp: str) -> Verdict
     """2 ranks: rank 0 returns the bare per-row mean, rank 1 the plain tuple ``(token_sum,
     tokens)`` under the default: every rank raises, promptly."""
     return kinds_2ranks(rank, token_sum if rank == 1 else token_mean)
+
+
+# == 9. The loop's coupled forms (issue 35, section 4) ===========================================
+#
+# loop.Coupled (a CLIP-style loss with a learned temperature) and loop.WindowStats (a loss
+# normalised by the window's positive count), against the plain float64 loop over each whole
+# global window: every micro-batch's forward, the loss once, backward(), SGD.
+
+COUPLED_SIZES = [[[2, 3, 2], [3, 2]], [[2, 2, 3], [2]], [[3, 2], []]]  # [window][rank]: rows
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+        self.log_scale = nn.Parameter(torch.tensor(0.5))
+        self.double()
+
+
+def c_embed(model: nn.Module, mb: Any) -> Any:
+    return F.normalize(model.lin(mb), dim=-1)
+
+
+def c_loss(model: nn.Module, z: torch.Tensor, rows: Any) -> torch.Tensor:
+    logits = model.log_scale.exp() * z[rows.local] @ z.T
+    target = torch.arange(rows.start, rows.stop) ^ 1  # rows 2i and 2i+1 pair up
+    target = torch.where(target < rows.total, target, target - 1)
+    logits = logits - 1e9 * torch.eye(rows.total, dtype=z.dtype)[rows.local]
+    return F.cross_entropy(logits, target, reduction="sum") / rows.total
+
+
+def s_stats(model: nn.Module, mb: Any) -> torch.Tensor:
+    return (mb[:, 0] > 0).sum()
+
+
+def s_loss(model: nn.Module, mb: Any, count: Any) -> torch.Tensor:
+    return model.lin(mb).pow(2).mean() / count
+
+
+def coupled_data(world: int) -> list[list[list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        [[torch.randn(r, 4, generator=g, dtype=torch.float64) for r in w[k]] for k in range(world)]
+        for w in COUPLED_SIZES
+    ]
+
+
+def coupled_reference(kind: str, data: Any, frozen: bool = False) -> tuple[Any, list[float]]:
+    model = Tower()
+    if frozen:
+        model.lin.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for window in data:
+        mbs = [mb for rank in window for mb in rank]
+        if kind == "coupled":
+            z = torch.cat([c_embed(model, mb) for mb in mbs])
+            per_rank = [sum(len(mb) for mb in rank) for rank in window]
+            total = 0
+            for r in range(len(window)):
+                a = sum(per_rank[:r])
+                rows = gradaccum.Rows(a, a + per_rank[r], sum(per_rank), tuple(per_rank), r)
+                total = total + (c_loss(model, z, rows) if per_rank[r] else 0)
+        else:
+            count = sum(s_stats(model, mb) for mb in mbs)
+            rows = sum(len(mb) for mb in mbs)
+            total = sum(s_loss(model, mb, count) * len(mb) / rows for mb in mbs)
+        total.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total.detach()))
+    return training_state(model, opt), losses
+
+
+def coupled_run(
+    kind: str, rank: int = 0, world: int = 1, fail: int = 0, frozen: bool = False
+) -> Verdict:
+    """Train ``Tower`` with ``Step(Coupled|WindowStats)``; ``fail``: the call of ``embed`` (or
+    of the loss) that raises once, caught, then the window added again."""
+    if getattr(loop, "Coupled", None) is None:
+        return na("no gradaccum.loop.Coupled")
+    data = coupled_data(world)
+    if world == 1:
+        data = [[[mb for r in w for mb in r]] for w in data]
+    calls = [0]
+
+    def flaky(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == fail:
+                raise Injected("injected")
+            return fn(*args)
+
+        return inner
+
+    model = Tower()
+    if frozen:
+        model.lin.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    if kind == "coupled":
+        loss: Any = loop.Coupled(flaky(c_embed), c_loss)
+    else:
+        loss = loop.WindowStats(s_stats, flaky(s_loss))
+    sync = gradaccum.all_reduce() if world > 1 else None
+    step = loop.Step(model, loss, optimizer=opt, sync=sync)
+    losses = []
+    for window in data:
+        try:
+            step.add_window(window[rank])
+        except Injected:
+            step.add_window(window[rank])  # the same window again
+        losses.append(float(step.apply().loss))
+    want, want_losses = coupled_reference(kind, coupled_data(world), frozen)
+    d = differ(training_state(model, opt), want)
+    if d is None and _same_tree(losses, want_losses, TOL, "") is None:
+        return ok()
+    return wrong(f"{d or 'parameters equal'}; losses {losses} against {want_losses}")
+
+
+@probe("coupled", quick=True)
+def p_coupled_failed_window_retried(tmp: str) -> Verdict:
+    """``loop.Coupled``: ``embed`` raises in pass 2 of window 0 (micro-batch 2 of 3), caught;
+    ``add_window`` of the same window again, then ``apply()``."""
+    return coupled_run("coupled", fail=3 + 2)
+
+
+@probe("coupled", quick=True)
+def p_coupled_stats_failed_window_retried(tmp: str) -> Verdict:
+    """``loop.WindowStats``: the loss raises at micro-batch 2 of 3 of window 0, caught;
+    ``add_window`` of the same window again, then ``apply()``."""
+    return coupled_run("stats", fail=2)
+
+
+@probe("coupled", quick=True)
+def p_coupled_frozen_encoder_temperature(tmp: str) -> Verdict:
+    """``loop.Coupled`` with the encoder frozen and the loss's temperature trained."""
+    return coupled_run("coupled", frozen=True)
+
+
+@probe("coupled", world=2, quick=True)
+def p_coupled_2ranks_empty_rank(rank: int, world: int, tmp: str) -> Verdict:
+    """2 ranks, ``loop.Coupled``: rank 1 has no micro-batch in the last window."""
+    return coupled_run("coupled", rank, world)
+
+
+@probe("coupled", world=2, quick=True)
+def p_coupled_stats_2ranks_empty_rank(rank: int, world: int, tmp: str) -> Verdict:
+    """2 ranks, ``loop.WindowStats``: rank 1 has no micro-batch in the last window."""
+    return coupled_run("stats", rank, world)
 
 
 # == windows(): bad arguments =====================================================================

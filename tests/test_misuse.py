@@ -3213,11 +3213,67 @@ case(
 )
 
 
+def _loop_positives(model: Any, batch: Any) -> torch.Tensor:
+    return (batch[0] > 0).sum()
+
+
+def _loop_scaled(model: Any, batch: Any, count: torch.Tensor) -> torch.Tensor:
+    return loop_mse(model, batch) / count
+
+
+def _loop_embed(model: Any, batch: Any) -> torch.Tensor:
+    return model(batch[0])
+
+
+def _loop_info(model: Any, z: torch.Tensor, rows: gradaccum.Rows) -> torch.Tensor:
+    return (z[rows.local] @ z.T).logsumexp(-1).sum() / rows.total
+
+
+def loop_window_step(kind: str) -> Callable[[], NS]:
+    def setup() -> NS:
+        model = loop_model()
+        loss: Any = (
+            gradaccum.loop.WindowStats(_loop_positives, _loop_scaled)
+            if kind == "stats"
+            else gradaccum.loop.Coupled(_loop_embed, _loop_info)
+        )
+        step = gradaccum.loop.Step(model, loss, torch.optim.SGD(model.parameters(), lr=0.1))
+        return {"model": model, "step": step}
+
+    return setup
+
+
+# A window with no micro-batch, in one process (under a sync a rank without any is exact).
+case(
+    "loop.Step-WindowStats-empty-window",
+    loop_window_step("stats"),
+    lambda ns: ns["step"].add_window([]),
+    gradaccum.GradAccumError,
+    "no micro-batch",
+    item="35",
+)
+case(
+    "loop.Step-Coupled-empty-window",
+    loop_window_step("coupled"),
+    lambda ns: ns["step"].add_window([]),
+    gradaccum.GradAccumError,
+    "no rows",
+    item="35",
+)
+
 # -- the pinned messages -------------------------------------------------------------------------
 # The whole message of a case, character for character: a message changed on purpose is changed
 # here. (Cases without an entry check the words in their ``names`` only.)
 
 MESSAGES: dict[str, str] = {
+    "loop.Step-WindowStats-empty-window": (
+        "Step.add_window(batches): the window has no micro-batch; window statistics need at "
+        "least one; pass a window with at least one micro-batch."
+    ),
+    "loop.Step-Coupled-empty-window": (
+        "Step.add_window(batches): the window has no rows; a coupled loss needs at least one "
+        "row; pass a window with at least one micro-batch."
+    ),
     "accumulate-a-list-of-per-sample-dicts": (
         "accumulate(_samples_loss, n=2)(...): the batch is a Python list of 4 dicts of one "
         "structure, per-sample containers as a DataLoader with collate_fn=lambda x: x gives; "

@@ -288,3 +288,19 @@ def test_a_narrow_integer_statistic_is_summed_exactly_over_ranks() -> None:
     for out in values(run(_narrow, timeout=120)):
         assert out["counts"] == [(800, "torch.int64"), (4, "torch.int64")] * 2
         assert out["diff"] < TOL
+
+
+def _empty_rank(rank: int, world: int) -> float:
+    # Rank 1 has no micro-batch: it adds zeros to the statistics and nothing to the gradient.
+    stats, loss = _make(0.0, False)
+    batch: Any = _mine(_data(1), 0) if rank == 0 else gradaccum.MicroBatches([])
+    step = gradaccum.window_stats(stats, loss, 3, sync=gradaccum.all_reduce())
+    grads, value = step(_params(), batch)
+    want, total = _reference(1, 3, 0.0, False)
+    diff = max(float((grads[k] - want[k]).abs().max()) for k in want)
+    return max(diff, abs(float(value) - total)) if rank == 0 else diff  # value: this rank's
+
+
+@pytest.mark.distributed
+def test_a_rank_with_no_micro_batch_adds_nothing_exactly() -> None:
+    assert all(d < TOL for d in values(run(_empty_rank, timeout=120)))

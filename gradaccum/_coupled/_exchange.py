@@ -24,6 +24,7 @@ In a world of one (``sync=None``) nothing is sent.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,14 +110,39 @@ class Leaves:
     def lines(self) -> tuple[str, ...]:
         return tuple(f"{p} {d} {list(s)}" for p, d, s in zip(self.paths, self.dtypes, self.shapes))
 
+    def encode(self) -> bytes:
+        """The layout as JSON bytes (for a rank that has none: ``Exchange.layout``)."""
+        dtypes = [str(d).removeprefix("torch.") for d in self.dtypes]
+        return json.dumps([list(self.paths), dtypes, [list(s) for s in self.shapes]]).encode()
+
+    @staticmethod
+    def decode(blob: bytes) -> Leaves:
+        paths, dtypes, shapes = json.loads(blob.decode())
+        return Leaves(
+            tuple(paths), tuple(getattr(torch, d) for d in dtypes), tuple(map(tuple, shapes))
+        )
+
 
 class Exchange:
     """The three collectives of a coupled window over the sync's data-parallel group."""
 
-    def __init__(self, where: str, group: Any, timeout: float | None, fn: str = "embed") -> None:
+    def __init__(
+        self,
+        where: str,
+        group: Any,
+        timeout: float | None,
+        fn: str = "embed",
+        unit: str = "rows",
+        empty_ok: bool | None = None,
+    ) -> None:
         # What pass 1 runs, and what it makes, in the messages: embed's representations, or
-        # window_stats' statistics.
+        # window_stats' statistics; and what the agreement counts per rank: rows, or (for
+        # loop.WindowStats) micro-batches. ``empty_ok``: ranks without rows are allowed (not
+        # all of them; ``layout`` then gives them the others'): for the statistics, and for
+        # loop.Coupled (where such a rank's share is 0); not for the functional coupled().
         self.fn, self.made = fn, "representations" if fn == "embed" else "statistics"
+        self.unit = unit
+        self.empty_ok = fn == "stats" if empty_ok is None else empty_ok
         if is_mesh(group) and group.ndim != 1:
             raise ValueError(
                 f"{where}: the sync's data is split over a {group.ndim}-D mesh, but the "
@@ -128,7 +154,12 @@ class Exchange:
         self.rank, self.world = self.comm.rank, self.comm.world
 
     def agree(
-        self, rows: int, failed: bool, leaves: Leaves | None, index: int, device: torch.device
+        self,
+        rows: int,
+        failed: bool,
+        leaves: Leaves | None,
+        index: int,
+        device: torch.device,
     ) -> list[int]:
         """Every rank's rows; raise on every rank if one failed or the ranks disagree."""
         h = digest(leaves.lines()) % 2**62 if leaves is not None else -1
@@ -154,15 +185,24 @@ class Exchange:
                 f"{where}: the ranks are at different windows of this coupled step (window "
                 f"index by rank: {windows}); every rank must call it the same number of times."
             )
-        empty = [r for r, t in enumerate(table) if t[0] == 0]
-        if empty:
+        counts = [t[0] for t in table]
+        empty = [r for r, n in enumerate(counts) if n == 0]
+        if empty and not self.empty_ok:
             raise GradAccumError(
                 f"{where}: rank(s) {empty} have no rows in this window (rows by rank: "
-                f"{[t[0] for t in table]}); a coupled loss needs at least one row on every rank "
-                f"(the share of a rank with no rows is not defined). Give every rank at least one "
-                f"row, e.g. drop the last, short window (drop_last=True)."
+                f"{counts}); coupled() needs at least one row on every rank; give every rank "
+                f"at least one row (uneven rows are fine), or train with gradaccum.loop.Step "
+                f"and a gradaccum.loop.Coupled loss, where a rank without rows holds a share "
+                f"of 0."
             )
-        hashes = [t[2] for t in table]
+        if len(empty) == self.world:
+            one = {"rows": "row", "micro-batches": "micro-batch"}.get(self.unit, self.unit)
+            raise GradAccumError(
+                f"{where}: no rank has {self.unit} in this window ({self.unit} by rank: "
+                f"{counts}); the window's {self.made} need at least one {one} on some rank; "
+                f"pass a window that is not empty on every rank."
+            )
+        hashes = [t[2] for t in table if t[0]]  # a rank without rows has no layout
         if len(set(hashes)) > 1:
             mine_desc = "; ".join(leaves.lines()) if leaves is not None else "none"
             raise GradAccumError(
@@ -171,6 +211,27 @@ class Exchange:
                 f"{self.fn} must return the same tree, dtypes and shapes on every rank."
             )
         return [t[0] for t in table]
+
+    def layout(self, leaves: Leaves | None, per_rank: list[int], device: torch.device) -> Leaves:
+        """The layout of the first rank with rows, for those without (who made none to read).
+
+        Every rank calls it when some rank has no rows (``per_rank``, from ``agree``): two
+        broadcasts, the JSON's length and its bytes; the other windows send nothing more.
+        """
+        src = next(r for r, n in enumerate(per_rank) if n)
+        blob = leaves.encode() if self.rank == src and leaves is not None else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+        what = f"the {self.made}' layout, for the ranks without {self.unit} (broadcast)"
+        self.comm.wait(self.comm.broadcast(size, src, what, "coupled layout"), what)
+        n = int(self.comm.fetch(size)[0])
+        data = torch.zeros(n, dtype=torch.uint8)
+        if blob:
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        data = data.to(device)
+        self.comm.wait(self.comm.broadcast(data, src, what, "coupled layout"), what)
+        if self.rank == src and leaves is not None:
+            return leaves
+        return Leaves.decode(bytes(self.comm.fetch(data)))
 
     def gather(
         self, parts: list[torch.Tensor], per_rank: list[int], index: torch.Tensor

@@ -160,7 +160,8 @@ def collect(
     ``forwards``: each micro-batch's ``stats`` call, and its rows; the random state before each
     is kept in ``rng``. With ``exchange``, the sums are all-reduced over the ranks.
     ``failure``: this rank failed before pass 1 (a batch that does not split); it joins the
-    agreement flagged, and every rank raises there, as for a failure in pass 1 itself.
+    agreement flagged, and every rank raises there, as for a failure in pass 1 itself. A rank
+    without micro-batches (others have) adds zeros and gets ``None``: it runs no loss.
     """
     sums: torch.Tensor | None = None
     spec: Any = None
@@ -174,19 +175,25 @@ def collect(
         except Exception as err:  # joined as failed below, then re-raised
             failure = err
     rows = sum(r for _, r in forwards) if failure is None else 0
+    at = sums.device if sums is not None else device
     if exchange is not None:
-        at = sums.device if sums is not None else device
-        exchange.agree(rows, failure is not None, layout, index, at)
+        per_rank = exchange.agree(rows, failure is not None, layout, index, at)
+        if failure is None and 0 in per_rank:  # a rank without any: the others' layout
+            layout = exchange.layout(layout, per_rank, at)
     if failure is not None:
         raise failure
-    if sums is None or layout is None:  # no micro-batch on this rank, in one process
+    if layout is None:  # nothing on this rank, in one process (with a sync, agree raised)
         raise GradAccumError(
-            f"{call}: this rank has no rows in this window; window statistics need at least "
-            f"one row per rank. Give every rank at least one row."
+            f"{call}: the window has no micro-batch; window statistics need at least one; pass "
+            f"a window with at least one micro-batch."
         )
+    if sums is None:  # this rank has none (others have): it adds zeros, and runs no loss
+        sums = torch.zeros(sum(layout.widths()), dtype=torch.float64, device=at)
     if exchange is not None:
         what = "the window's statistics (all_reduce)"
         exchange.comm.wait(exchange.comm.all_reduce(sums, what, "window statistics"), what)
+    if spec is None:
+        return None
     return _unflat(sums, spec, layout)
 
 

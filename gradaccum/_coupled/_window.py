@@ -138,6 +138,8 @@ def cache(
 
     ``forwards``: each micro-batch's ``embed`` call, and its rows if known. ``run_loss(reps,
     rows)``: this rank's share; its gradient is taken for the representations and ``targets``.
+    A rank without rows (where the exchange allows it: ``loop.Coupled``) holds a share of 0: its
+    loss is not run, and it sends zeros for the gradient.
 
     With a sync every rank takes part in each collective even when it failed: in pass 1 it
     joins the agreement flagged, and every rank raises there; in the loss it sends zeros and
@@ -154,7 +156,11 @@ def cache(
         glob = _unpack(leaves, exchange.gather(_pack(leaves, local), per_rank, where), total)
     else:
         glob = local
-    share, rep_grads, direct, failure = _loss(call, run_loss, targets, leaves, spec, glob, rows)
+    if rows.stop > rows.start:
+        share, rep_grads, direct, failure = _loss(call, run_loss, targets, leaves, spec, glob, rows)
+    else:  # no rows here: a share of 0, without a gradient
+        share = torch.zeros((), dtype=_wide(leaves), device=local[0].device)
+        rep_grads, direct, failure = [None] * len(leaves.floating), [], None
     flat = _flat_grads(leaves, rep_grads, total, _wide(leaves), local[0].device)
     if exchange is not None:
         flat, value = exchange.scatter(flat, share, per_rank)
@@ -185,7 +191,10 @@ def _first(
     index: int,
     device: torch.device,
 ) -> tuple[Leaves, Any, list[torch.Tensor], list[int], list[int]]:
-    """Pass 1: every micro-batch embedded without a graph; the ranks' rows agreed."""
+    """Pass 1: every micro-batch embedded without a graph; the ranks' rows agreed.
+
+    A rank without rows (where the exchange allows it) gets the layout from the others.
+    """
     leaves: Leaves | None = None
     spec: Any = None
     parts: list[list[torch.Tensor]] = []
@@ -205,16 +214,24 @@ def _first(
     rows = sum(sizes) if failure is None else 0
     if exchange is not None:
         per_rank = exchange.agree(rows, failure is not None, leaves, index, device)
+        if failure is None and 0 in per_rank:  # (agree raised on every rank if all have none)
+            leaves = exchange.layout(leaves, per_rank, device)
     else:
         per_rank = [rows]
     if failure is not None:
         raise failure
     if leaves is None:  # no rows, in one process (with a sync, agree raised on every rank)
         raise GradAccumError(
-            f"{call}: this rank has no rows in this window; a coupled loss needs at least one "
-            f"row (the loss's share of a rank with no rows is not defined)."
+            f"{call}: the window has no rows; a coupled loss needs at least one row; pass a "
+            f"window with at least one micro-batch."
         )
-    local = [torch.cat([p[i] for p in parts]) for i in range(len(leaves.paths))]
+    if not parts:  # this rank has no rows (others have): none of each leaf
+        local = [
+            torch.empty((0, *shape), dtype=dtype, device=device)
+            for dtype, shape in zip(leaves.dtypes, leaves.shapes)
+        ]
+    else:
+        local = [torch.cat([p[i] for p in parts]) for i in range(len(leaves.paths))]
     return leaves, spec, local, per_rank, sizes
 
 

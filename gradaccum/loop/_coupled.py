@@ -162,8 +162,9 @@ def _exchange(where: str, step: Any) -> Exchange | None:
     sync = step.sync
     if sync is None:
         return None
-    fn = "stats" if isinstance(step._coupled, WindowStats) else "embed"
-    return Exchange(where, sync.data_group(), sync.timeout, fn=fn)
+    if isinstance(step._coupled, WindowStats):  # each micro-batch counts as one in the agreement
+        return Exchange(where, sync.data_group(), sync.timeout, fn="stats", unit="micro-batches")
+    return Exchange(where, sync.data_group(), sync.timeout, fn="embed", empty_ok=True)
 
 
 def join_failed(step: Any, err: BaseException) -> None:
@@ -177,19 +178,32 @@ def join_failed(step: Any, err: BaseException) -> None:
             step._joined = True
 
 
-def _stats_window(step: Any, batches: Iterable[Any]) -> None:
-    """``Step.add_window`` for a ``WindowStats`` loss: the statistics, then each micro-batch."""
-    where = "Step.add_window(batches)"
-    ws: WindowStats = step._coupled
-    model = step.model
+def _read(step: Any, batches: Iterable[Any]) -> tuple[list[Any], Exception | None]:
+    """The window's micro-batches, or the error reading them raised (joined in pass 1).
+
+    They are kept until the window is added whole: a retry of a window that failed passes the
+    same ``batches`` again (a ``DataWindow`` is read once), and gets them back.
+    """
+    kept, step._kept = step._kept, None
+    if kept is not None and kept[0] is batches:
+        return kept[1], None
     step._joined = False
-    failure: Exception | None = None
     try:
         taken = list(batches)
     except Exception as err:
         if step._joined:  # the data's callback joined pass 1's agreement flagged already
             raise
-        taken, failure = [], err
+        return [], err
+    step._kept = (batches, taken)
+    return taken, None
+
+
+def _stats_window(step: Any, batches: Iterable[Any]) -> None:
+    """``Step.add_window`` for a ``WindowStats`` loss: the statistics, then each micro-batch."""
+    where = "Step.add_window(batches)"
+    ws: WindowStats = step._coupled
+    model = step.model
+    taken, failure = _read(step, batches)
     step._follow(where)
     rng = RandomStates()
     device = next(iter(model.parameters())).device
@@ -222,23 +236,48 @@ def _feed(step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[An
 
 
 def add_window(step: Any, batches: Iterable[Any]) -> None:
-    """``Step.add_window``: both passes over the window ``batches`` (see the module notes)."""
-    if isinstance(step._coupled, WindowStats):
-        _stats_window(step, batches)
-        return
+    """``Step.add_window``: both passes over the window ``batches`` (see the module notes).
+
+    All or nothing: a window that fails anywhere is dropped whole (see ``_failed``), and the
+    step stays at its index, so that the same window may be added again.
+    """
+    index = step.state.window
+    try:
+        if isinstance(step._coupled, WindowStats):
+            _stats_window(step, batches)
+        else:
+            _coupled_window(step, batches)
+    except BaseException:
+        _failed(step, index)
+        raise
+    step._kept = None
+
+
+def _failed(step: Any, index: int) -> None:
+    """The window ``index`` failed: drop what pass 2 added, and stay at ``index``.
+
+    In one process the sums of the micro-batches added so far are dropped (with their
+    ``.grad``). Under a sync a failure in pass 2 made ``Step.add`` join the boundary flagged as
+    failed (every other rank raises in ``apply()``, which drops its window too), which moved
+    the window on: it goes back to ``index``, where the other ranks stay.
+    """
+    if step.sync is None and (step.state.micro_step or step._win is not None):
+        step.state = step.acc._abort(step.state, step._win)._replace(window=index)
+    step._drop()
+    step.state = step.state._replace(window=index)
+
+
+def _coupled_window(step: Any, batches: Iterable[Any]) -> None:
+    """``Step.add_window`` for a ``Coupled`` loss: pass 1, the exchange, the loss, pass 2."""
     where = "Step.add_window(batches)"
     coupled: Coupled = step._coupled
     model = step.model
-    step._joined = False
-    forwards: list[tuple[Callable[[], Any], int | None]]
-    try:
-        taken = list(batches)
-        forwards = [(functools.partial(coupled.embed, model, mb), None) for mb in taken]
-    except Exception as err:
-        if step._joined:  # the data's callback joined pass 1's agreement flagged already
-            raise
-        forwards = [(functools.partial(reraise, err), None)]
-        taken = []
+    taken, failure = _read(step, batches)
+    forwards: list[tuple[Callable[[], Any], int | None]] = [
+        (functools.partial(coupled.embed, model, mb), None) for mb in taken
+    ]
+    if failure is not None:
+        forwards = [(functools.partial(reraise, failure), None)]
     step._follow(where)
     targets = [p for p in model.parameters() if p.requires_grad]
     rng = RandomStates()
@@ -268,6 +307,11 @@ def add_window(step: Any, batches: Iterable[Any]) -> None:
         if j == 0:
             for p, d in direct:  # the loss's own use of the parameters, added once
                 total = total + (p * d).sum()
+        elif not total.requires_grad and direct:
+            # embed reaches no trainable parameter (a frozen encoder, a trained temperature):
+            # the micro-batch is counted with a backward that adds 0 to the loss's parameters.
+            for p, _ in direct:
+                total = total + p.sum() * 0
         value: torch.Tensor = total - total.detach()
         if j == 0:
             value = value + done.share

@@ -41,7 +41,7 @@ from .._autograd import grad_on
 from .._checks import positive
 from .._core.accumulator import Accumulator
 from .._core.protocol import Window, check_sync
-from .._core.state import AccumState
+from .._core.state import AccumState, pass_on
 from .._errors import GradAccumError, describe
 from .._kinds import Mean, Sum
 from .._layout import check_grads
@@ -358,6 +358,7 @@ class Step:
         self._coupled = coupled
         self._feeding = False  # add_window's pass 2 is adding its micro-batches
         self._joined = False  # a data error joined add_window's agreement, flagged as failed
+        self._kept: tuple[Any, list[Any]] | None = None  # add_window's batches, for a retry
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.clip = clip
@@ -839,12 +840,18 @@ class Step:
         if self.state.micro_step == 0:  # an empty window trains what the other ranks' do
             self._follow(where)
         saves, names, params = self._saves, self._names, self._params
-        self._saves = 0
+        self._saves, self._kept = 0, None
         try:
             # Accumulator.boundary, its errors named after this call (not Accumulator(n=...)).
             state, live = self._with_saves(self.state, saves), self._win
             self._drop()
             grads, self.state, totals = self.acc._close(where, state, "apply()", True, live)
+        except GradAccumError:
+            if self._coupled is not None:  # a window taken whole is dropped whole: add it again
+                sig = _metrics.signature(state.metrics)
+                fresh = self.acc._next(state, state.reduce_state, sig)._replace(window=state.window)
+                self.state = pass_on(state, fresh, "apply()")
+            raise
         except TypeError as err:
             if "did not report the window's totals" not in str(err):
                 raise
