@@ -36,7 +36,7 @@ class _Items:
     n: int | float | torch.Tensor
 
     def __post_init__(self) -> None:
-        kind = type(self).__name__
+        kind = "Mean" if isinstance(self, Mean) else "Sum"  # a subclass is still its kind
         where = f"gradaccum.{kind}(loss, n)"
         if not isinstance(self.loss, torch.Tensor) or self.loss.dim() != 0:
             fix = (

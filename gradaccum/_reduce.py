@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from numbers import Number
+from numbers import Integral, Number, Real
 from typing import Any, Literal, cast
 
 import torch
@@ -74,8 +74,13 @@ def check_count(
     """
     if isinstance(count, torch.Tensor):
         if count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
-            return count.detach().reshape(())
-    elif not isinstance(count, bool) and isinstance(count, (int, float)):
+            # Summed over a window in its own dtype, a narrow count would round (float16: 3 x
+            # 1001 is 3004), saturate (45 x 1500 is inf) or wrap (uint8: 3 x 200 is 88): widen
+            # it, on its device, to float64 or int64 (exact up to 2**53 and 2**63).
+            wide = torch.float64 if count.dtype.is_floating_point else torch.int64
+            return count.detach().reshape(()).to(wide)
+    elif not isinstance(count, bool) and isinstance(count, Real):  # numpy scalars too
+        count = int(count) if isinstance(count, Integral) else float(count)
         if isinstance(count, float) and not math.isfinite(count):
             raise ValueError(
                 f"{where}: {name} must be a finite number >= 0, got {count!r}; {verb} the "

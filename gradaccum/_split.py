@@ -176,11 +176,16 @@ def _check_not_samples(where: str, batch: Any) -> None:
     if not isinstance(batch[0], kinds):
         return
     spec = _tree.flatten(batch[0])[1]
-    if any(not isinstance(b, kinds) or _tree.flatten(b)[1] != spec for b in batch[1:]):
+    if all(isinstance(b, Mapping) for b in batch):  # dicts are samples, whatever their keys
+        same = all(_tree.flatten(b)[1] == spec for b in batch)
+        shape = " of one structure" if same else " (their keys differ)"
+    elif any(not isinstance(b, kinds) or _tree.flatten(b)[1] != spec for b in batch[1:]):
         return
+    else:
+        shape = " of one structure"
     raise ValueError(
-        f"{where}: the batch is a Python list of {len(batch)} {type(batch[0]).__name__}s of one "
-        f"structure, per-sample containers as a DataLoader with collate_fn=lambda x: x gives; "
+        f"{where}: the batch is a Python list of {len(batch)} {type(batch[0]).__name__}s{shape}, "
+        f"per-sample containers as a DataLoader with collate_fn=lambda x: x gives; "
         f"gradaccum would split each of them along dim 0 of its own tensors (a sample's "
         f"tokens), not the list's samples. Collate the samples into one batch (tensors with "
         f"a leading batch dim: torch.utils.data.default_collate, or pad them), or pass "

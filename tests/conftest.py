@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from dist import free_port
 
 # A user's script, run by tests/test_exit.py as 2 ranks: its state is in module globals, as in a
 # script written top to bottom, so importing it (--doctest-modules would) starts a process group.
 collect_ignore = ["exit_shapes.py"]
-from dist import free_port
 
 
 @pytest.fixture

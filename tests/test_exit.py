@@ -202,3 +202,23 @@ def test_stress_every_shape_exits_0_every_time(capsys: pytest.CaptureFixture[str
     with capsys.disabled():
         print("\n| shape | runs that did not exit 0 |\n|---|---|\n" + "\n".join(table))
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_sync_over_a_destroyed_group_says_so_after_a_new_init(
+    one_group: weakref.ref[dist.ProcessGroup],
+) -> None:
+    """A sync built with a group of its own (``all_reduce(group=g)``), used after
+    ``destroy_process_group()`` and a new ``init_process_group()``: torch's raw "Group ... is not
+    registered" became a ``GradAccumError`` that says what happened and what to do."""
+    g = dist.new_group([0])
+    params = {"w": torch.ones(3, dtype=torch.float64)}
+    step = gradaccum.accumulate(
+        torch.func.grad(lambda p, b: (p["w"] * b).sum()), 1, sync=gradaccum.all_reduce(group=g)
+    )
+    step(params, torch.ones(2, 3, dtype=torch.float64))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(
+        gradaccum.GradAccumError, match=r"not registered any more \(it was destroyed"
+    ):
+        step(params, torch.ones(2, 3, dtype=torch.float64))

@@ -362,3 +362,77 @@ def test_a_window_saved_before_the_typed_returns_still_loads() -> None:
     got = again.apply()
     assert max_param_diff(resumed, model) == 0
     assert (got.loss, got.items) == (stats[0].loss, stats[0].items)
+
+
+# -- the hostile pass (issue 35): what it found silently wrong, now exact or refused ------------
+
+
+class MyMean(gradaccum.Mean):
+    """A user's subclass: still a Mean."""
+
+    __slots__ = ()
+
+
+def test_a_subclass_of_mean_is_a_mean() -> None:
+    """A subclass of Mean was weighted as a Sum (the kind was read from the class's name)."""
+    windows = token_windows(WINDOWS)
+
+    def loss(model, batch):
+        return MyMean(token_mean(model, batch), tokens(batch))
+
+    model, stats = train(loss, windows)
+    check_against_reference(model, stats, windows)
+
+
+def all_padding(rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(rows, 4, dtype=torch.long), torch.full((rows, 4), -100)
+
+
+def test_a_mean_over_no_tokens_counts_nothing_and_keeps_the_loss_finite() -> None:
+    """The documented pattern, Mean(F.cross_entropy(..., ignore_index=-100), tokens), on an
+    all-padding micro-batch: F.cross_entropy is NaN there, and NaN * 0 made StepStats.loss NaN
+    (a ReduceLROnPlateau was then fed NaN). The micro-batch adds nothing, as in the plain loop."""
+    windows = token_windows(WINDOWS)
+    with_padding = [[*window, all_padding()] for window in windows]
+    model, stats = train(mean_of_tokens, with_padding)
+    assert all(math.isfinite(s.loss) for s in stats)
+    check_against_reference(model, stats, windows)
+    model, stats = train(mean_of_tokens_int, with_padding)  # n = 0 as a Python int
+    check_against_reference(model, stats, windows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.uint8, torch.int16])
+def test_a_narrow_tensor_n_is_counted_exactly(dtype: torch.dtype) -> None:
+    """The window's items were summed in n's own dtype: float16 45 x 1500 was inf (nothing
+    moved), 3 x 1001 was 3004; uint8 3 x 200 was 88. Each n is exact in its dtype here; the
+    window's total is not."""
+    model = lm()
+    step = Step(
+        model,
+        lambda m, b: gradaccum.Sum(token_sum(m, b[:2]), b[2]),
+        torch.optim.SGD(model.parameters(), lr=LR),
+    )
+    g = torch.Generator().manual_seed(0)
+    per = 200 if dtype == torch.uint8 else 255 if dtype == torch.bfloat16 else 1001
+    for _ in range(3):
+        inputs, labels = padded(2, g)
+        step.add((inputs, labels, torch.tensor(per, dtype=dtype)))
+    assert step.apply().items == 3 * per
+
+
+def test_a_window_whose_tensor_items_add_up_to_0_is_refused_whole() -> None:
+    """In one process, tensor n's that add up to 0 gave a bare ZeroDivisionError with the window
+    consumed and every .grad NaN. Refused now, nothing applied, and the next window trains."""
+    model = lm()
+    step = Step(model, sum_of_tokens, torch.optim.SGD(model.parameters(), lr=LR))
+    before = [p.detach().clone() for p in model.parameters()]
+    step.add(all_padding())
+    step.add(all_padding(2))
+    with pytest.raises(ValueError, match=r"Step.apply\(\): the items of window 0 add up to 0"):
+        step.apply()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert step.window == 1
+    for mb in token_windows([[2, 1]])[0]:
+        step.add(mb)
+    assert math.isfinite(step.apply().loss)

@@ -3072,6 +3072,24 @@ case(
 )
 
 
+def per_sample_dicts_keys_differ() -> NS:
+    """The same samples, one with an optional field (the hostile pass: 0.68 off, silently)."""
+    ns = per_sample_dicts()
+    ns["batch"][1]["weight"] = torch.ones(6, dtype=F64)
+    return ns
+
+
+case(
+    "accumulate-a-list-of-per-sample-dicts-whose-keys-differ",
+    per_sample_dicts_keys_differ,
+    lambda ns: gradaccum.accumulate(torch.func.grad(_samples_loss), 2)(ns["params"], ns["batch"]),
+    ValueError,
+    "4 dicts (their keys differ)",
+    "collate_fn=lambda x: x",
+    item="35",
+)
+
+
 # The messages that named a call the user never wrote (issue 35, section 5): pass 2's inner
 # accumulate of coupled() and window_stats(), Step.add run by add_window, an empty window's
 # apply() ("call add() at least once before finalize()"), and torch's words for a loss that

@@ -79,7 +79,8 @@ def test_sync_needs_an_initialised_process_group() -> None:
         RuntimeError,
         "accumulate(mean_loss, n=2)(...): sync=all_reduce() needs torch.distributed "
         "initialised, but no process group exists; call torch.distributed.init_process_group(...)"
-        " first (torchrun sets the environment for it), or drop sync= to train in one process.",
+        " first (torchrun sets the environment for it; after destroy_process_group(), again before"
+        " using it), or, in a job of one process only, drop sync=.",
     ):
         step(mlp_params(), regression_batch(4))
 

@@ -195,10 +195,20 @@ class Comm:
             raise RuntimeError(
                 f"{where}: {what} needs torch.distributed initialised, but no process "
                 f"group exists; call torch.distributed.init_process_group(...) first (torchrun "
-                f"sets the environment for it), or drop sync= to train in one process."
+                f"sets the environment for it; after destroy_process_group(), again before using "
+                f"it), or, in a job of one process only, drop sync=."
             )
         pg: Any = dist.group.WORLD if group is None else group
-        rank = -1 if pg is dist.GroupMember.NON_GROUP_MEMBER else dist.get_rank(pg)
+        try:
+            rank = -1 if pg is dist.GroupMember.NON_GROUP_MEMBER else dist.get_rank(pg)
+        except ValueError as err:  # torch: "Group ... is not registered"
+            if "not registered" not in str(err):
+                raise
+            raise GradAccumError(
+                f"{where}: its process group {group_name(pg)} is not registered any more (it "
+                f"was destroyed, torch.distributed.destroy_process_group()); build the sync, "
+                f"the windows and the step again with a group of the current process group."
+            ) from None
         if rank < 0:
             raise ValueError(
                 f"{where}: this process (global rank {dist.get_rank()}) is not a member of the "

@@ -141,6 +141,18 @@ def _one(x: Any) -> bool:
     return isinstance(x, (int, float)) and x == 1
 
 
+def _scaled(loss: torch.Tensor, n: Any) -> torch.Tensor:
+    """``loss * n`` for the window's loss sum: 0 where ``n`` is 0 (a mean over no items is NaN).
+
+    A micro-batch with no items (all padding) contributes nothing to the objective; its mean,
+    ``F.cross_entropy`` over no tokens, is NaN, and NaN * 0 would make the window's loss NaN.
+    A tensor ``n`` is not read on the host: ``torch.where`` picks on the device.
+    """
+    if isinstance(n, torch.Tensor):
+        return torch.where(n == 0, torch.zeros((), dtype=loss.dtype, device=loss.device), loss * n)
+    return loss * n if n != 0 else torch.zeros_like(loss)
+
+
 def _takes_metric(scheduler: Any) -> bool:
     """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``)."""
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -224,7 +236,8 @@ class Step:
             micro-batch returning a bare loss, a ``Mean`` or a ``Sum`` (see above). ``"count"``:
             the same objective, every micro-batch returning ``Sum(summed_loss, count)`` (a bare
             loss or a ``Mean`` is refused; kept for code written before ``Sum``: the keyword
-            may be dropped). ``"sum"``: the plain sum of the micro-batches' gradients, nothing
+            may be dropped in new runs, but a checkpoint saved under ``"count"`` resumes only
+            under ``"count"``). ``"sum"``: the plain sum of the micro-batches' gradients, nothing
             divided; a bare loss or a ``Sum``, whose ``n`` counts ``StepStats.items`` (a
             ``Mean`` is refused). The same words as [`accumulate`][gradaccum.accumulate]'s. A
             ``Coupled`` loss's shares are summed (``"sum"``, its default and only choice).
@@ -493,7 +506,6 @@ class Step:
         """
         red = self.reduction
         if isinstance(out, (Mean, Sum)):
-            kind = type(out).__name__
             if red != "mean" and isinstance(out, Mean):
                 fix = (
                     "return gradaccum.Sum(loss * n, n) (the sum over the n items), or drop "
@@ -506,7 +518,7 @@ class Step:
                     f"{where}: the loss function returned gradaccum.Mean(loss, n), but under "
                     f"reduction={red!r} every micro-batch returns a sum over its items; {fix}."
                 )
-            value, scale, items = out.loss, (out.n if kind == "Mean" else 1), out.n
+            value, scale, items = out.loss, (out.n if isinstance(out, Mean) else 1), out.n
         elif isinstance(out, (tuple, list)):
             got = ", ".join(
                 "tensor" if isinstance(x, torch.Tensor) else type(x).__name__ for x in out
@@ -607,7 +619,7 @@ class Step:
         try:
             self._follow(where)
             value, scale, items = self._split(where, self.loss(self.model, batch), batch)
-            summed = value.detach() if _one(scale) else value.detach() * scale
+            summed = value.detach() if _one(scale) else _scaled(value.detach(), scale)
             metrics = {
                 "loss": summed,
                 "micro_batches": 1,
@@ -873,6 +885,14 @@ class Step:
             )
         items, loss_sum = totals.weight, cast(float, m["loss"])
         micro = round(cast(float, m["micro_batches"]))
+        if self.reduction != "sum" and not items > 0:  # in one process: tensor n, not read before
+            raise ValueError(
+                f"{where}: the items of window {totals.window} add up to {items:g} (every "
+                f"micro-batch's n is 0: all padding?), so there is no mean over them to take; "
+                f"the window was dropped, nothing was applied (the parameters' .grad stay None) "
+                f"and the next window goes on. Skip windows with no items, or use "
+                f"reduction='sum'."
+            )
         if self.clip is not None:
             grads, norm = clip_by_global_norm(grads, self.clip)
         else:
