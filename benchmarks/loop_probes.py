@@ -2094,7 +2094,7 @@ dist.destroy_process_group()
 """
 
 
-def _exit_run(script: str) -> list[tuple[int | None, str, str]]:
+def _exit_run(script: str, *args: str) -> list[tuple[int | None, str, str]]:
     port = _launch.free_port()
     procs = []
     for r in range(2):
@@ -2109,7 +2109,7 @@ def _exit_run(script: str) -> list[tuple[int | None, str, str]]:
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, script],
+                [sys.executable, script, *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -2158,6 +2158,41 @@ def p_normal_exit_after_a_timeout(tmp: str) -> Verdict:
     if unclear:
         return Verdict("error", error=("GradAccumError", unclear[0], "?"))
     return Verdict("own", f"{runs} run(s): every rank raised GradAccumError and exited 0")
+
+
+EXIT_SHAPES = Path(__file__).resolve().parents[1] / "tests" / "exit_shapes.py"
+
+
+@probe("exit", quick=True, bound=400)
+def p_normal_exit_module_level(tmp: str) -> Verdict:
+    """Issue 35, section 1: a 2-rank script that keeps ``loop.windows(..., sync=...)``, a
+    ``Step`` or a ``loop.Coupled`` step in module globals, finishes, calls
+    ``destroy_process_group()`` and returns (``tests/exit_shapes.py``, each shape 3 times; once
+    with ``--quick``). Every rank must exit 0, and the group must be freed at
+    ``destroy_process_group()``: one that outlives it is freed at interpreter exit, with its
+    gloo worker threads, where one that frees a collective's tensors aborts the process (about 1
+    run in 5 under torchrun before the fix)."""
+    runs = 1 if QUICK else 3
+    kept = []
+    for shape in ("windows", "step", "coupled"):
+        for run in range(runs):
+            for r, (code, stdout, stderr) in enumerate(_exit_run(str(EXIT_SHAPES), shape)):
+                tail = " / ".join(stderr.strip().splitlines()[-2:])
+                if code is None:
+                    return Verdict("hang", f"{shape} run {run + 1}: rank {r} still running: {tail}")
+                if code != 0:
+                    name = signal.Signals(-code).name if code < 0 else f"code {code}"
+                    what = f"{shape} run {run + 1}: rank {r} exited {name}: {tail}"
+                    return Verdict("crash", what)
+                if "freed=False" in stdout:
+                    kept.append(shape)
+    if kept:
+        return wrong(
+            f"every run exited 0, but the group outlived destroy_process_group() in "
+            f"{sorted(set(kept))}: freed at interpreter exit, where a gloo worker thread may abort "
+            f"the process"
+        )
+    return ok(f"3 shapes x {runs} run(s): exit 0, the group freed at destroy_process_group()")
 
 
 # == 6. torch.func transforms over accumulate =====================================================
