@@ -218,3 +218,24 @@ def torchrun(
         out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else err.stdout or ""
         return None, out + f"\nHUNG: still running {deadline:g} s after the launch (killed)"
     return done.returncode, done.stdout + done.stderr
+
+
+def exited(ranks: list[tuple[int | None, str, str]]) -> tuple[list[str], list[str | None]]:
+    """What went wrong with each rank's exit (a code other than 0, a signal, "terminate called",
+    not exactly one ``RESULT`` line), and each rank's ``RESULT`` line (``None``: not one)."""
+    import signal
+
+    problems: list[str] = []
+    lines: list[str | None] = []
+    for r, (code, stdout, stderr) in enumerate(ranks):
+        tail = "\n".join(stderr.splitlines()[-15:])
+        if code != 0:
+            name = signal.Signals(-code).name if code is not None and code < 0 else code
+            problems.append(f"rank {r} exited with {code} ({name}); stderr:\n{tail}")
+        if "terminate called" in stderr:
+            problems.append(f"rank {r}: {tail}")
+        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if len(results) != 1:
+            problems.append(f"rank {r} printed no result; stdout:\n{stdout}\nstderr:\n{tail}")
+        lines.append(results[0] if len(results) == 1 else None)
+    return problems, lines

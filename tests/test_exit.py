@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist import launch, torchrun
+from dist import exited, launch, torchrun
 from torch import nn
 
 import gradaccum
@@ -53,23 +52,15 @@ DEADLINE = 120.0
 
 
 def _problems(shape: str, ranks: list[tuple[int | None, str, str]], freed: bool) -> list[str]:
-    problems = []
-    for r, (code, stdout, stderr) in enumerate(ranks):
-        tail = "\n".join(stderr.splitlines()[-15:])
-        if code != 0:
-            name = signal.Signals(-code).name if code is not None and code < 0 else code
-            problems.append(f"rank {r} exited with {code} ({name}); stderr:\n{tail}")
-        if "terminate called" in stderr:
-            problems.append(f"rank {r}: {tail}")
-        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        if len(results) != 1:
-            problems.append(f"rank {r} printed no result; stdout:\n{stdout}\nstderr:\n{tail}")
+    problems, lines = exited(ranks)
+    for r, line in enumerate(lines):
+        if line is None:
             continue
-        fields = dict(f.split("=", 1) for f in results[0].split()[1:])
+        fields = dict(f.split("=", 1) for f in line.split()[1:])
         if fields["freed"] != str(freed):
-            problems.append(f"rank {r}: the group should be freed={freed}: {results[0]}")
+            problems.append(f"rank {r}: the group should be freed={freed}: {line}")
         if shape != "pure" and int(fields["kept"]) < 1:
-            problems.append(f"rank {r}: gradaccum's last collectives are not kept: {results[0]}")
+            problems.append(f"rank {r}: gradaccum's last collectives are not kept: {line}")
     return problems
 
 

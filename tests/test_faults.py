@@ -43,7 +43,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist import free_port
+from dist import exited, free_port
 from dist import launch as launch_script
 from models import max_diff, mean_loss, mlp_params, regression_batch
 from torch.func import grad
@@ -877,23 +877,15 @@ def _exit_launch(form: str) -> list[tuple[int | None, str, str]]:
 
 
 def _exit_problems(form: str, ranks: list[tuple[int | None, str, str]]) -> list[str]:
-    problems = []
-    for r, (code, stdout, stderr) in enumerate(ranks):
-        tail = "\n".join(stderr.splitlines()[-15:])
-        if code != 0:
-            name = signal.Signals(-code).name if code is not None and code < 0 else code
-            problems.append(f"rank {r} exited with {code} ({name}); stderr:\n{tail}")
-        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        if len(results) != 1:
-            problems.append(f"rank {r} printed no result; stdout:\n{stdout}\nstderr:\n{tail}")
+    problems, lines = exited(ranks)
+    for r, line in enumerate(lines):
+        if line is None:
             continue
-        fields = dict(f.split("=", 1) for f in results[0].split(" ", 4)[1:])
+        fields = dict(f.split("=", 1) for f in line.split(" ", 4)[1:])
         if fields["outcome"] != "GradAccumError" or fields["window"] != "1":
-            problems.append(f"rank {r} should raise GradAccumError in window 1: {results[0]}")
+            problems.append(f"rank {r} should raise GradAccumError in window 1: {line}")
         elif f"failed on rank {r}" not in fields["message"]:
-            problems.append(f"rank {r}: the error names no failed collective: {results[0]}")
-        if "terminate called" in stderr:
-            problems.append(f"rank {r}: {tail}")
+            problems.append(f"rank {r}: the error names no failed collective: {line}")
     return problems
 
 

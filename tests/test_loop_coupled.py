@@ -384,13 +384,13 @@ def _failing_embed(at: int) -> Any:
     """``embed`` that raises once, at its ``at``-th call (a call of pass 1 or pass 2)."""
     calls = [0]
 
-    def flaky(model: Encoder, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def fails_once(model: Encoder, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         calls[0] += 1
         if calls[0] == at:
             raise RuntimeError("embed failed once")
         return embed(model, mb)
 
-    return flaky
+    return fails_once
 
 
 def test_a_failed_coupled_window_is_dropped_whole_and_retried() -> None:
