@@ -14,7 +14,7 @@ gradient through the same window, with the first micro-batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import describe
 from .._layout import check_n
 from ._exchange import Rows
-from ._replay import RandomStates, reraise
+from ._replay import RandomStates, check_flag, check_generators, reraise
 from ._window import cache, name_of, open_call, second_pass
 
 __all__ = ["coupled"]
@@ -36,8 +36,9 @@ __all__ = ["coupled"]
 class _Pass2:
     """What the surrogate loss of one call's pass 2 reads: set per call, read per micro-batch."""
 
-    def __init__(self, embed: Callable[..., Any]) -> None:
+    def __init__(self, embed: Callable[..., Any], check_replay: bool) -> None:
         self.embed = embed
+        self.check_replay = check_replay
         self.rng = RandomStates()
         self.floating: tuple[int, ...] = ()
         self.direct: list[tuple[int, torch.Tensor]] = []
@@ -52,6 +53,8 @@ class _Pass2:
             self.done.check()
         self.rng.replay(j)
         leaves = _tree.flatten(self.embed(params, batch))[0]
+        if self.check_replay:
+            self.done.replay.compare(j, [leaves[i] for i in self.floating])
         total = sum((leaves[i] * g).sum() for i, g in zip(self.floating, grads))
         if j == 0 and self.direct:  # the loss's own use of the params, added once
             flat = _tree.flatten(params)[0]
@@ -65,6 +68,8 @@ def coupled(
     n: int,
     *,
     sync: Sync | None = None,
+    generators: Sequence[Any] = (),
+    check_replay: bool = True,
 ) -> Callable[[Any, Any], tuple[Any, torch.Tensor]]:
     """The exact gradient of a loss that couples a window's examples, over ``n`` micro-batches.
 
@@ -82,6 +87,13 @@ def coupled(
     4. each micro-batch is embedded again, with a graph and the random numbers of step 1
        (dropout masks replayed), and back-propagates its slice of that gradient into the
        window's running sums; the sync reduces them once, at the boundary.
+
+    The random numbers replayed are those of torch's CPU and CUDA generators, Python's
+    ``random``, NumPy's global generator, and the explicit generators given in ``generators``.
+    Step 4 checks that it recomputed the representations of step 1: where they differ beyond
+    rounding (randomness from elsewhere, state changed between the passes), the call raises
+    [`GradAccumError`][gradaccum.GradAccumError] (with a sync, on every rank) and returns no
+    gradient.
 
     It costs about one more forward per micro-batch. Module buffers that the second forward
     changes (BatchNorm's running statistics) are put back as the first one left them, and the
@@ -110,6 +122,14 @@ def coupled(
             [`Sharded`][gradaccum.sharding.Sharded], gathered once for pass 1 and as the sync
             gathers for pass 2) or a [`custom_reduce()`][gradaccum.custom_reduce]. The
             representations go over the sync's group (a process group or 1-D mesh).
+        generators: Explicit random generators ``embed`` draws from (``torch.Generator``,
+            ``random.Random``, ``numpy.random.Generator`` or ``RandomState``): their states are
+            replayed in step 4 too, and left as after one forward per micro-batch. Global
+            generators need no mention.
+        check_replay: ``True`` (default): compare step 4's representations with step 1's, one
+            host read per call. ``False`` skips the comparison; only for an ``embed`` that is
+            nondeterministic beyond rounding by design, whose gradient is then that of other
+            representations than the loss saw.
 
     Returns:
         A function ``(params, batch) -> (grads, loss)``: the gradient of the objective over the
@@ -124,8 +144,9 @@ def coupled(
             micro-batch loop (``accumulate(coupled(...), n)``: call it on the whole batch), a
             representation whose dim 0 is not the micro-batch's rows, or micro-batches whose
             representations differ in tree, dtype or shape.
-        GradAccumError: With a sync: another rank failed, the ranks disagree on the
-            representations' layout or on the window, or a collective failed.
+        GradAccumError: Step 4 did not reproduce step 1's representations (see above). With
+            a sync: another rank failed, the ranks disagree on the representations' layout or
+            on the window, or a collective failed.
 
     Examples:
         >>> import torch, gradaccum
@@ -156,8 +177,10 @@ def coupled(
     where = f"coupled({name_of(embed)}, {name_of(loss)}, n={n!r})"
     check_n(where, n)
     check_sync(where, sync)
+    gens = check_generators(where, generators)
+    check_flag(where, "check_replay", check_replay)
     kind = sync if sync is not None else LOCAL
-    ctx = _Pass2(embed)
+    ctx = _Pass2(embed, check_replay)
     call = f"{where}(params, batch)"
     # Pass 2's accumulate: its errors name the user's call, never accumulate(surrogate, ...).
     inner = accumulate_as(call, grad(ctx.surrogate), n, reduction="sum", sync=sync)
@@ -184,7 +207,7 @@ def coupled(
             for t in pflat
         ]
         at = [i for i, t in enumerate(mine) if isinstance(t, torch.Tensor) and t.requires_grad]
-        rng = RandomStates()
+        rng = RandomStates(gens)
         done = cache(
             call,
             forwards,

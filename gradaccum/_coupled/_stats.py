@@ -25,7 +25,7 @@ from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import GradAccumError, describe
 from .._layout import check_n
 from ._exchange import Exchange, Leaves
-from ._replay import RandomStates
+from ._replay import RandomStates, check_generators
 from ._window import name_of, open_call, second_pass
 
 __all__ = ["collect", "window_stats"]
@@ -52,6 +52,7 @@ def window_stats(
     *,
     sync: Sync | None = None,
     reduction: _reduce.Reduction = "mean",
+    generators: Sequence[Any] = (),
 ) -> Callable[[Any, Any], tuple[Any, torch.Tensor]]:
     """Accumulate ``loss`` over ``n`` micro-batches, with statistics of the whole window.
 
@@ -64,11 +65,14 @@ def window_stats(
     router probability) or a loss normalised by the window's token count.
 
     Pass 2 replays pass 1's random numbers per micro-batch, so a router behind dropout routes
-    as it was counted; buffers that pass 2 changes (BatchNorm's running statistics) are put
-    back as pass 1 left them. Statistics are return values, never side effects, so activation
-    checkpointing, which runs a block's forward again during the backward, cannot count tokens
-    twice. The cost is one forward per micro-batch without a graph. See the page "Coupled
-    losses" (docs/coupled.md).
+    as it was counted: those of torch's CPU and CUDA generators, Python's ``random``, NumPy's
+    global generator, and the explicit generators given in ``generators``. Randomness from
+    anywhere else is not replayed, and not detected either (pass 2 has the statistics, not
+    their recomputation): ``loss`` would then route other tokens than ``stats`` counted. Buffers
+    that pass 2 changes (BatchNorm's running statistics) are put back as pass 1 left them.
+    Statistics are return values, never side effects, so activation checkpointing, which runs a
+    block's forward again during the backward, cannot count tokens twice. The cost is one
+    forward per micro-batch without a graph. See the page "Coupled losses" (docs/coupled.md).
 
     Args:
         stats: ``stats(params, micro_batch) -> tree``: a pytree of tensors (counts, sums),
@@ -82,6 +86,9 @@ def window_stats(
         sync: ``None`` (one process) or a sync, as for ``accumulate``; the statistics are summed
             over its data-parallel group (a process group or 1-D mesh).
         reduction: ``"mean"`` (each micro-batch's loss is a mean over its rows) or ``"sum"``.
+        generators: Explicit random generators ``stats`` and ``loss`` draw from
+            (``torch.Generator``, ``random.Random``, ``numpy.random.Generator`` or
+            ``RandomState``): replayed in pass 2, and left as after one pass.
 
     Returns:
         A function ``(params, batch) -> (grads, value)``, ``value`` the window's loss as
@@ -125,6 +132,7 @@ def window_stats(
             f"{where}: reduction must be 'mean' or 'sum', got {reduction!r}; for a token mean, "
             f"count the tokens in stats and divide a summed loss by the window's count."
         )
+    gens = check_generators(where, generators)
     kind = sync if sync is not None else LOCAL
     ctx = _Pass2(loss)
     call = f"{where}(params, batch)"
@@ -137,7 +145,7 @@ def window_stats(
         check_nesting(call, None)
         index, opened[0] = opened[0], opened[0] + 1
         start = open_call(call, kind, params, batch, n, "stats")
-        rng = RandomStates()
+        rng = RandomStates(gens)
         forwards = [(functools.partial(stats, start.params, mb), r) for mb, r in start.micro]
         window = collect(call, forwards, start.failure, rng, start.exchange, index, start.device)
         ctx.rng, ctx.next = rng, 0
@@ -207,6 +215,12 @@ def _add(
             raise TypeError(
                 f"{call}: stats returned a non-tensor leaf {p} ({describe(t)}) for micro-batch "
                 f"{j}; return a pytree of tensors (counts, sums)."
+            )
+        if t.is_complex():  # summed in float64, its imaginary part would be dropped
+            raise TypeError(
+                f"{call}: stats returned a complex leaf {p} ({describe(t)}) for micro-batch {j}; "
+                f"statistics must be real: return torch.view_as_real(s) and take "
+                f"torch.view_as_complex(window) in the loss."
             )
     mine = Leaves(tuple(paths), tuple(t.dtype for t in flat), tuple(tuple(t.shape) for t in flat))
     if layout is not None and (tree != spec or mine != layout):

@@ -19,7 +19,7 @@ from .._core.protocol import LOCAL, Sync
 from .._errors import GradAccumError, describe
 from ..sharding._sharded import Sharded
 from ._exchange import Exchange, Leaves, Rows
-from ._replay import KeptBuffers, RandomStates
+from ._replay import KeptBuffers, RandomStates, ReplayCheck
 
 __all__ = ["Cached", "Opened", "cache", "name_of", "open_call", "second_pass"]
 
@@ -104,6 +104,7 @@ class Cached:
             representations (summed over every rank's share).
         direct: ``(k, grad)`` for each of the ``targets`` the loss used directly (this rank's
             share only: the sync sums them with the rest).
+        replay: Pass 1's floating leaves per micro-batch, to compare pass 2's with.
         failure: The loss's error on this rank, under a sync: raised by ``check`` in pass 2.
     """
 
@@ -113,6 +114,7 @@ class Cached:
     share: torch.Tensor
     slices: list[tuple[torch.Tensor, ...]]
     direct: list[tuple[int, torch.Tensor]]
+    replay: ReplayCheck
     failure: Exception | None = None
 
     def check(self) -> None:
@@ -177,7 +179,11 @@ def cache(
             cols += widths[i]
         slices.append(tuple(g))
         at += r
-    return Cached(leaves, rows, value, share, slices, direct, failure)
+    floating = [torch.split(local[i], sizes) for i in leaves.floating]
+    replay = ReplayCheck(
+        call, [leaves.paths[i] for i in leaves.floating], list(zip(*floating)) if sizes else []
+    )
+    return Cached(leaves, rows, value, share, slices, direct, replay, failure)
 
 
 # -- pass 1 --------------------------------------------------------------------------------------
@@ -249,6 +255,12 @@ def _check_reps(
             )
         if rows is None and t.dim() > 0:
             rows = t.shape[0]
+        if t.is_complex():  # its gradient would be dropped beside a float leaf: refused
+            raise TypeError(
+                f"{call}: embed returned a complex leaf {p} ({describe(t)}) for micro-batch {j}; "
+                f"representations must be real: return torch.view_as_real(z) (a float leaf "
+                f"with a trailing dim of 2) and take torch.view_as_complex(reps) in the loss."
+            )
         if t.dim() == 0 or t.shape[0] != rows:
             got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows"
             raise ValueError(

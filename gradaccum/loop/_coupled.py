@@ -17,14 +17,14 @@ before ``apply()`` are exact; a save in the middle of collecting a window is ref
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .. import _tree
 from .._coupled._exchange import Exchange, Rows
-from .._coupled._replay import RandomStates, reraise
+from .._coupled._replay import RandomStates, check_flag, check_generators, reraise
 from .._coupled._stats import collect
 from .._coupled._window import cache, second_pass
 from .._errors import describe
@@ -42,6 +42,9 @@ class Coupled:
     functional params: every micro-batch embedded without a graph, every rank's
     representations gathered, the loss once, then each micro-batch again with its slice of the
     loss's gradient (dropout masks replayed, BatchNorm statistics kept from the first pass).
+    The second pass is checked against the first: representations that differ beyond rounding
+    (randomness that was not replayed) raise [`GradAccumError`][gradaccum.GradAccumError] in
+    ``add_window``, on every rank, and the window is dropped whole.
 
     Args:
         embed: ``embed(model, micro_batch) -> reps``: a pytree of tensors, dim 0 the
@@ -51,9 +54,14 @@ class Coupled:
             order), ``rows`` ([`Rows`][gradaccum.Rows]) says which are this rank's; it returns
             this rank's share of the objective (the shares are summed over the ranks). It may
             use the model's parameters directly (a learned temperature).
+        generators: Explicit random generators ``embed`` draws from, as for
+            [`coupled()`][gradaccum.coupled] (torch's, Python's and NumPy's global ones are
+            replayed without mention).
+        check_replay: As for [`coupled()`][gradaccum.coupled]: ``False`` skips the check.
 
     Raises:
-        TypeError: ``embed`` or ``loss`` is not callable.
+        TypeError: ``embed`` or ``loss`` is not callable; ``generators`` holds something other
+            than a random generator; ``check_replay`` is not a bool.
 
     Examples:
         >>> import torch, gradaccum
@@ -78,6 +86,9 @@ class Coupled:
         self,
         embed: Callable[[torch.nn.Module, Any], Any],
         loss: Callable[[torch.nn.Module, Any, Rows], torch.Tensor],
+        *,
+        generators: Sequence[Any] = (),
+        check_replay: bool = True,
     ) -> None:
         for arg, fn, shape in (
             ("embed", embed, "embed(model, micro_batch) -> reps"),
@@ -89,6 +100,9 @@ class Coupled:
                 )
         self.embed = embed
         self.loss = loss
+        self.generators = check_generators("Coupled(embed, loss)", generators)
+        check_flag("Coupled(embed, loss)", "check_replay", check_replay)
+        self.check_replay = check_replay
 
     def __repr__(self) -> str:
         name = getattr(self.loss, "__name__", type(self.loss).__name__)
@@ -116,9 +130,13 @@ class WindowStats:
             ``Step`` under its ``reduction`` (a 0-dim tensor: a mean over the micro-batch's
             rows; or [`gradaccum.Mean`][gradaccum.Mean] / [`gradaccum.Sum`][gradaccum.Sum] over
             its items), with ``window`` the sums.
+        generators: Explicit random generators ``stats`` and ``loss`` draw from, replayed in
+            the second pass, as for [`window_stats()`][gradaccum.window_stats] (randomness from
+            elsewhere is neither replayed nor detected there).
 
     Raises:
-        TypeError: ``stats`` or ``loss`` is not callable.
+        TypeError: ``stats`` or ``loss`` is not callable; ``generators`` holds something other
+            than a random generator.
 
     Examples:
         >>> import torch, gradaccum
@@ -140,6 +158,8 @@ class WindowStats:
         self,
         stats: Callable[[torch.nn.Module, Any], Any],
         loss: Callable[[torch.nn.Module, Any, Any], Any],
+        *,
+        generators: Sequence[Any] = (),
     ) -> None:
         for arg, fn, shape in (
             ("stats", stats, "stats(model, micro_batch) -> tree"),
@@ -152,6 +172,7 @@ class WindowStats:
                 )
         self.stats = stats
         self.loss = loss
+        self.generators = check_generators("WindowStats(stats, loss)", generators)
 
     def __repr__(self) -> str:
         name = getattr(self.loss, "__name__", type(self.loss).__name__)
@@ -205,7 +226,7 @@ def _stats_window(step: Any, batches: Iterable[Any]) -> None:
     model = step.model
     taken, failure = _read(step, batches)
     step._follow(where)
-    rng = RandomStates()
+    rng = RandomStates(ws.generators)
     device = next(iter(model.parameters())).device
     # Each micro-batch counts as one row in the agreement (its rows are the loss's business).
     forwards = [(functools.partial(ws.stats, model, mb), 1) for mb in taken]
@@ -280,7 +301,7 @@ def _coupled_window(step: Any, batches: Iterable[Any]) -> None:
         forwards = [(functools.partial(reraise, failure), None)]
     step._follow(where)
     targets = [p for p in model.parameters() if p.requires_grad]
-    rng = RandomStates()
+    rng = RandomStates(coupled.generators)
     device = next(iter(model.parameters())).device
     done = cache(
         where,
@@ -303,6 +324,8 @@ def _coupled_window(step: Any, batches: Iterable[Any]) -> None:
             done.check()
         rng.replay(j)
         leaves = _tree.flatten(coupled.embed(model, mb))[0]
+        if coupled.check_replay:
+            done.replay.compare(j, [leaves[i] for i in floating])
         total = sum((leaves[i] * g).sum() for i, g in zip(floating, grads))
         if j == 0:
             for p, d in direct:  # the loss's own use of the parameters, added once

@@ -1,0 +1,452 @@
+"""Pass 2 of the two-pass transforms replays pass 1's randomness, or says it could not.
+
+Issue 35, section 3: randomness not drawn from torch's global generators (an explicit
+``torch.Generator``, Python's ``random``, NumPy) was not replayed in pass 2: the value was right
+and the gradient 0.09 to 0.95 off; ``window_stats`` routed other rows than it counted; an
+explicit generator was left advanced twice. Now Python's and NumPy's global states are replayed
+like torch's, explicit generators are handed in (``generators=``), and ``coupled`` compares what
+pass 2 recomputed with what pass 1 cached: a difference beyond rounding raises on every rank.
+Complex representations and statistics are refused in every mix.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradaccum
+from gradaccum import GradAccumError, Rows
+from gradaccum.loop import Coupled, Step, WindowStats
+from tests.dist import run, values
+
+N, ROWS, D_IN, D = 4, 8, 5, 3
+
+
+def _params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(D_IN, D, generator=g, dtype=torch.float64)}
+
+
+def _batch(seed: int = 1) -> torch.Tensor:
+    return torch.randn(
+        ROWS, D_IN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+
+
+def _info_nce(p: Any, z: torch.Tensor, rows: Rows) -> torch.Tensor:
+    z = F.normalize(z, dim=-1)
+    sim = z[rows.local] @ z.T / 0.5
+    sim = sim - 1e9 * torch.eye(len(z), dtype=z.dtype)[rows.local]
+    return F.cross_entropy(sim, rows.arange() ^ 1, reduction="sum") / rows.total
+
+
+# Each source of randomness: (make it afresh at a seed, draw a [rows, D] keep-mask from it).
+def _python(seed: int) -> Any:
+    random.seed(seed)
+    return None
+
+
+def _numpy(seed: int) -> Any:
+    np.random.seed(seed)
+    return None
+
+
+SOURCES: dict[str, tuple[Callable[[int], Any], Callable[[Any, int], torch.Tensor], bool]] = {
+    # name: (reset(seed) -> explicit generator or None, mask(gen, rows), needs generators=)
+    "python-random": (
+        _python,
+        lambda g, r: torch.tensor([[random.random() > 0.4 for _ in range(D)] for _ in range(r)]),
+        False,
+    ),
+    "numpy-global": (_numpy, lambda g, r: torch.from_numpy(np.random.rand(r, D) > 0.4), False),
+    "torch-generator": (
+        lambda s: torch.Generator().manual_seed(s),
+        lambda g, r: torch.rand(r, D, generator=g) > 0.4,
+        True,
+    ),
+    "random.Random": (
+        lambda s: random.Random(s),
+        lambda g, r: torch.tensor([[g.random() > 0.4 for _ in range(D)] for _ in range(r)]),
+        True,
+    ),
+    "numpy-Generator": (
+        lambda s: np.random.default_rng(s),
+        lambda g, r: torch.from_numpy(g.random((r, D)) > 0.4),
+        True,
+    ),
+    "numpy-RandomState": (
+        lambda s: np.random.RandomState(s),
+        lambda g, r: torch.from_numpy(g.rand(r, D) > 0.4),
+        True,
+    ),
+}
+
+
+def _state(name: str, gen: Any) -> Any:
+    """The source's state now (to check it advanced by one pass, not two)."""
+    if name == "python-random":
+        return random.getstate()
+    if name == "numpy-global":
+        return str(np.random.get_state())
+    if isinstance(gen, torch.Generator):
+        return gen.get_state().tolist()
+    if isinstance(gen, random.Random):
+        return gen.getstate()
+    if hasattr(gen, "bit_generator"):
+        return str(gen.bit_generator.state)
+    return str(gen.get_state())
+
+
+def _embed_for(name: str, box: list[Any]) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    mask = SOURCES[name][1]
+
+    def embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return (x @ p["w"]) * mask(box[0], len(x)) / 0.6  # a dropout with the source's mask
+
+    return embed
+
+
+def _whole_batch(name: str, seed: int, p: Any, x: torch.Tensor) -> tuple[Any, Any]:
+    """The reference: every micro-batch embedded once, in order, with a graph; the loss."""
+    box = [SOURCES[name][0](seed)]
+    embed = _embed_for(name, box)
+    w = p["w"].clone().requires_grad_()
+    z = torch.cat([embed({"w": w}, mb) for mb in x.chunk(N)])
+    loss = _info_nce(None, z, Rows(0, ROWS, ROWS, (ROWS,)))
+    (g,) = torch.autograd.grad(loss, w)
+    return g, _state(name, box[0])
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_coupled_replays_every_source_and_advances_it_once(name: str) -> None:
+    p, x = _params(), _batch()
+    want, state_after_one_pass = _whole_batch(name, 7, p, x)
+    box = [SOURCES[name][0](7)]
+    gens = [box[0]] if SOURCES[name][2] else []
+    grads, _ = gradaccum.coupled(_embed_for(name, box), _info_nce, N, generators=gens)(p, x)
+    torch.testing.assert_close(grads["w"], want, rtol=1e-12, atol=1e-14)
+    assert _state(name, box[0]) == state_after_one_pass
+
+
+@pytest.mark.parametrize("name", [k for k, v in SOURCES.items() if v[2]])
+def test_coupled_refuses_an_undeclared_generator_instead_of_another_gradient(name: str) -> None:
+    p, x = _params(), _batch()
+    box = [SOURCES[name][0](7)]
+    step = gradaccum.coupled(_embed_for(name, box), _info_nce, N)
+    with pytest.raises(GradAccumError, match=r"did not reproduce pass 1's representations"):
+        step(p, x)
+    # The check can be turned off: then the gradient is that of other representations.
+    box[0] = SOURCES[name][0](7)
+    loose = gradaccum.coupled(_embed_for(name, box), _info_nce, N, check_replay=False)
+    grads, _ = loose(p, x)
+    want, _ = _whole_batch(name, 7, p, x)
+    assert not torch.allclose(grads["w"], want, rtol=1e-6)
+
+
+def test_rounding_differences_between_the_passes_pass_the_check() -> None:
+    """Another summation order in pass 2 (a nondeterministic kernel's) is not an error."""
+    calls = [0]
+
+    def embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        prods = x.unsqueeze(-1) * p["w"]  # [rows, D_IN, D]
+        if calls[0] > N:  # pass 2: the same sum, in reverse order
+            return prods.flip(1).cumsum(1)[:, -1]
+        return prods.cumsum(1)[:, -1]
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        calls[0] = 0
+        p = {"w": _params()["w"].to(dtype) * 10}
+        x = _batch().to(dtype) * 10
+        grads, _ = gradaccum.coupled(embed, _info_nce, N)(p, x)
+        assert torch.isfinite(grads["w"]).all()
+
+
+def test_a_changed_mask_fails_the_check_in_every_dtype() -> None:
+    """One row of one micro-batch masked differently in pass 2: caught, even in bfloat16."""
+    calls = [0]
+
+    def embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        z = x @ p["w"]
+        if calls[0] == 2 * N:  # pass 2, the last micro-batch: one element of one row dropped
+            z = z.clone()
+            z[0, 0] = 0
+        return z
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        calls[0] = 0
+        p = {"w": _params()["w"].to(dtype)}
+        with pytest.raises(GradAccumError, match=r"micro-batch 3 differs by"):
+            gradaccum.coupled(embed, _info_nce, N)(p, _batch().to(dtype))
+
+
+def test_state_that_changes_between_the_passes_is_caught() -> None:
+    """A forward that depends on how often it ran (a call counter) is not a replay."""
+    seen = [0]
+
+    def embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+        seen[0] += 1
+        return x @ p["w"] * (1.0 + 0.1 * seen[0])
+
+    with pytest.raises(GradAccumError, match="depends on state that changed"):
+        gradaccum.coupled(embed, _info_nce, N)(_params(), _batch())
+
+
+def test_window_stats_routes_as_it_counted_with_python_random() -> None:
+    """The rows a stats call counts are the rows the loss uses, drawn by Python's random."""
+
+    def pick(r: int) -> torch.Tensor:
+        return torch.tensor([random.random() > 0.5 for _ in range(r)])
+
+    def stats(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return pick(len(x)).sum()
+
+    def loss(p: Any, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        keep = pick(len(x))
+        return ((x @ p["w"]).pow(2).sum(-1) * keep).sum() / count
+
+    p, x = _params(), _batch()
+    random.seed(3)
+    keeps = [pick(len(mb)) for mb in x.chunk(N)]
+    after = random.getstate()
+    count = sum(k.sum() for k in keeps)
+    w = p["w"].clone().requires_grad_()
+    whole = sum(((mb @ w).pow(2).sum(-1) * k).sum() for mb, k in zip(x.chunk(N), keeps)) / count
+    (want,) = torch.autograd.grad(whole, w)
+    random.seed(3)
+    grads, _ = gradaccum.window_stats(stats, loss, N, reduction="sum")(p, x)
+    torch.testing.assert_close(grads["w"], want, rtol=1e-12, atol=1e-14)
+    assert random.getstate() == after
+
+
+def test_window_stats_replays_a_declared_generator() -> None:
+    g = torch.Generator().manual_seed(5)
+
+    def stats(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return (torch.rand(len(x), generator=g) > 0.5).sum()
+
+    def loss(p: Any, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(len(x), generator=g) > 0.5
+        return ((x @ p["w"]).pow(2).sum(-1) * keep).sum() / count
+
+    p, x = _params(), _batch()
+    ref = torch.Generator().manual_seed(5)
+    keeps = [torch.rand(len(mb), generator=ref) > 0.5 for mb in x.chunk(N)]
+    count = sum(k.sum() for k in keeps)
+    w = p["w"].clone().requires_grad_()
+    whole = sum(((mb @ w).pow(2).sum(-1) * k).sum() for mb, k in zip(x.chunk(N), keeps)) / count
+    (want,) = torch.autograd.grad(whole, w)
+    step = gradaccum.window_stats(stats, loss, N, reduction="sum", generators=[g])
+    grads, _ = step(p, x)
+    torch.testing.assert_close(grads["w"], want, rtol=1e-12, atol=1e-14)
+    assert torch.equal(g.get_state(), ref.get_state())  # advanced by one pass
+
+
+# -- loop.Coupled and loop.WindowStats ------------------------------------------------------------
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(_params()["w"].clone())
+
+
+def _loop_embed(gen: torch.Generator | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    def embed(model: Any, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.rand(len(x), D, generator=gen) > 0.4
+        return (x @ model.w) * mask / 0.6
+
+    return embed
+
+
+def _loop_loss(model: Any, z: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return _info_nce(None, z, rows)
+
+
+def test_loop_coupled_replays_a_declared_generator_and_refuses_an_undeclared_one() -> None:
+    x = _batch()
+    gen = torch.Generator().manual_seed(9)
+    model = _Encoder()
+    step = Step(
+        model,
+        Coupled(_loop_embed(gen), _loop_loss, generators=[gen]),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    step.add_window(list(x.chunk(N)))
+    step.apply()
+    ref = torch.Generator().manual_seed(9)
+    want, _ = _whole_batch("torch-generator", 9, _params(), x)
+    torch.testing.assert_close(model.w.detach(), _params()["w"] - 0.1 * want, rtol=1e-12, atol=0)
+    for mb in x.chunk(N):  # one pass's draws
+        torch.rand(len(mb), D, generator=ref)
+    assert torch.equal(gen.get_state(), ref.get_state())
+
+    gen2 = torch.Generator().manual_seed(9)
+    model2 = _Encoder()
+    step2 = Step(
+        model2, Coupled(_loop_embed(gen2), _loop_loss), torch.optim.SGD(model2.parameters(), 0.1)
+    )
+    with pytest.raises(GradAccumError, match="did not reproduce"):
+        step2.add_window(list(x.chunk(N)))
+    assert model2.w.grad is None  # the window was dropped whole
+    torch.testing.assert_close(model2.w.detach(), _params()["w"], rtol=0, atol=0)
+
+
+def test_loop_window_stats_replays_a_declared_generator() -> None:
+    g = torch.Generator().manual_seed(5)
+
+    def stats(model: Any, x: torch.Tensor) -> torch.Tensor:
+        return (torch.rand(len(x), generator=g) > 0.5).sum()
+
+    def loss(model: Any, x: torch.Tensor, count: torch.Tensor) -> gradaccum.Sum:
+        keep = torch.rand(len(x), generator=g) > 0.5
+        return gradaccum.Sum(((x @ model.w).pow(2).sum(-1) * keep).sum() / count, len(x))
+
+    x = _batch()
+    ref = torch.Generator().manual_seed(5)
+    keeps = [torch.rand(len(mb), generator=ref) > 0.5 for mb in x.chunk(N)]
+    count = sum(k.sum() for k in keeps)
+    w = _params()["w"].clone().requires_grad_()
+    whole = sum(((mb @ w).pow(2).sum(-1) * k).sum() for mb, k in zip(x.chunk(N), keeps)) / count
+    (want,) = torch.autograd.grad(whole, w)
+    model = _Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = Step(model, WindowStats(stats, loss, generators=[g]), opt)
+    step.add_window(list(x.chunk(N)))
+    step.apply()
+    # Sum(value, rows): the step's objective is the window's sums over its items (ROWS).
+    torch.testing.assert_close(
+        model.w.detach(), _params()["w"] - want / ROWS, rtol=1e-12, atol=1e-14
+    )
+
+
+# -- bad arguments --------------------------------------------------------------------------------
+
+
+def _embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+    return x @ p["w"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"generators": torch.Generator()}, "generators must be a list of torch.Generator"),
+        ({"generators": [1]}, r"generators\[0\] must be one of torch.Generator"),
+        ({"generators": [random]}, "replayed already: leave them out"),
+        ({"check_replay": 1}, "check_replay must be True or False, got int"),
+    ],
+)
+def test_bad_replay_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        gradaccum.coupled(_embed, _info_nce, N, **kwargs)
+    if "check_replay" not in kwargs:
+        with pytest.raises(TypeError, match=message):
+            gradaccum.window_stats(lambda p, x: x.sum(), lambda p, x, s: x.sum(), N, **kwargs)
+        with pytest.raises(TypeError, match=message):
+            WindowStats(lambda m, x: x.sum(), lambda m, x, s: x.sum(), **kwargs)
+    with pytest.raises(TypeError, match=message):
+        Coupled(_embed, _info_nce, **kwargs)
+
+
+# -- complex leaves -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mix", ["complex-only", "complex-beside-float"])
+def test_complex_representations_are_refused_in_every_mix(mix: str) -> None:
+    def embed(p: Any, x: torch.Tensor) -> Any:
+        z = torch.complex(x @ p["w"], x @ p["w"])
+        return {"c": z} if mix == "complex-only" else {"f": x @ p["w"], "c": z}
+
+    def loss(p: Any, reps: Any, rows: Rows) -> torch.Tensor:
+        return reps["c"].abs().sum() + (reps["f"].sum() if "f" in reps else 0)
+
+    with pytest.raises(TypeError, match=r"complex leaf .*view_as_real"):
+        gradaccum.coupled(embed, loss, N)(_params(), _batch())
+
+
+def test_complex_statistics_are_refused() -> None:
+    def stats(p: Any, x: torch.Tensor) -> Any:
+        return {"n": torch.tensor(len(x)), "c": torch.complex(x.sum(), x.sum())}
+
+    with pytest.raises(TypeError, match=r"stats returned a complex leaf .*view_as_real"):
+        gradaccum.window_stats(stats, lambda p, x, s: (x @ p["w"]).sum(), N)(_params(), _batch())
+
+
+# -- two ranks ------------------------------------------------------------------------------------
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Each rank's mask from its own generator: declared, exact; undeclared on rank 1, an error."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    x = torch.randn(
+        world * ROWS, D_IN, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    mine = x[rank * ROWS : (rank + 1) * ROWS]
+    p = _params()
+    sync = gradaccum.all_reduce()
+    gen = torch.Generator().manual_seed(100 + rank)
+    embed = _loop_embed(gen)
+    step = gradaccum.coupled(
+        lambda p, b: embed(_Box(p), b), _info_nce, N, sync=sync, generators=[gen]
+    )
+    grads, _ = step(p, mine)
+    # The reference: every rank's masks, redrawn here from its seed, in rank order.
+    w = p["w"].clone().requires_grad_()
+    zs = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(100 + r)
+        for mb in x[r * ROWS : (r + 1) * ROWS].chunk(N):
+            zs.append((mb @ w) * (torch.rand(len(mb), D, generator=g) > 0.4) / 0.6)
+    total = world * ROWS
+    whole = sum(
+        _info_nce(None, torch.cat(zs), Rows(r * ROWS, (r + 1) * ROWS, total, (ROWS,) * world, r))
+        for r in range(world)
+    )
+    (want,) = torch.autograd.grad(whole, w)
+    out["exact"] = float((grads["w"] - want).abs().max())
+    # Rank 1 forgets to declare its generator: every rank raises, nothing is returned.
+    gen2 = torch.Generator().manual_seed(200 + rank)
+    embed2 = _loop_embed(gen2)
+    gens = [gen2] if rank == 0 else []
+    step2 = gradaccum.coupled(
+        lambda p, b: embed2(_Box(p), b), _info_nce, N, sync=sync, generators=gens
+    )
+    try:
+        step2(p, mine)
+        out["undeclared"] = "returned"
+    except GradAccumError as err:
+        out["undeclared"] = str(err)
+    # The group still works: the next window is exact again on both ranks.
+    gen3 = torch.Generator().manual_seed(100 + rank)
+    embed3 = _loop_embed(gen3)
+    step3 = gradaccum.coupled(
+        lambda p, b: embed3(_Box(p), b), _info_nce, N, sync=sync, generators=[gen3]
+    )
+    again, _ = step3(p, mine)
+    out["again"] = float((again["w"] - want).abs().max())
+    dist.barrier()
+    return out
+
+
+class _Box:
+    def __init__(self, p: Any) -> None:
+        self.w = p["w"]
+
+
+@pytest.mark.distributed
+def test_two_ranks_replay_declared_generators_and_fail_together_on_an_undeclared_one() -> None:
+    got = values(run(_two_ranks, timeout=120))
+    for out in got:
+        assert out["exact"] < 1e-12, got
+        assert out["again"] < 1e-12, got
+    assert "did not reproduce pass 1's representations" in got[1]["undeclared"], got
+    assert "1 other rank(s) of the 2 in the group raised" in got[0]["undeclared"], got
