@@ -2688,6 +2688,138 @@ def p_coupled_frozen_encoder_temperature(tmp: str) -> Verdict:
     return coupled_run("coupled", frozen=True)
 
 
+class Source:
+    """A random row mask drawn per micro-batch: Python's ``random`` or an explicit generator."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.gen = torch.Generator().manual_seed(11)
+        random.seed(11)
+
+    def mask(self, rows: int) -> torch.Tensor:
+        if self.kind == "python":
+            return torch.tensor([random.random() > 0.3 for _ in range(rows)], dtype=torch.float64)
+        return (torch.rand(rows, generator=self.gen) > 0.3).double()
+
+
+def random_run(kind: str, source: str, declared: bool) -> Verdict:
+    """``loop.Coupled`` / ``loop.WindowStats`` whose forwards draw a row mask from ``source``,
+    against plain PyTorch with the same draws (one per micro-batch, in order)."""
+    data = [[mb for r in w for mb in r] for w in coupled_data(1)]
+
+    def train(ours: bool) -> tuple[Any, list[float]]:
+        src = Source(source)
+        model = Tower()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        gens = [src.gen] if declared and source == "generator" else []
+        kw = {"generators": gens} if gens else {}  # (before generators=, none was taken)
+        if kind == "coupled":
+
+            def embed(m: nn.Module, mb: Any) -> Any:
+                return F.normalize(m.lin(mb) * src.mask(len(mb))[:, None], dim=-1)
+
+            loss: Any = loop.Coupled(embed, c_loss, **kw)
+        else:
+            keep: list[torch.Tensor] = []
+
+            def stats(m: nn.Module, mb: Any) -> Any:
+                return ((mb[:, 0] > 0) * src.mask(len(mb))).sum()
+
+            def s_loss_masked(m: nn.Module, mb: Any, count: Any) -> Any:
+                return (m.lin(mb).pow(2).sum(-1) * src.mask(len(mb))).mean() / count
+
+            loss = loop.WindowStats(stats, s_loss_masked, **kw)
+        losses = []
+        if ours:
+            step = loop.Step(model, loss, optimizer=opt)
+            for window in data:
+                step.add_window(window)
+                losses.append(float(step.apply().loss))
+            return training_state(model, opt), losses
+        for window in data:  # plain PyTorch: one forward per micro-batch, one mask each
+            masks = [src.mask(len(mb)) for mb in window]
+            if kind == "coupled":
+                z = torch.cat(
+                    [
+                        F.normalize(model.lin(mb) * k[:, None], dim=-1)
+                        for mb, k in zip(window, masks)
+                    ]
+                )
+                r = sum(len(mb) for mb in window)
+                total = c_loss(model, z, gradaccum.Rows(0, r, r, (r,), 0))
+            else:
+                keep = [((mb[:, 0] > 0) * k).sum() for mb, k in zip(window, masks)]
+                count, rows = sum(keep), sum(len(mb) for mb in window)
+                total = sum(
+                    (model.lin(mb).pow(2).sum(-1) * k).mean() / count * len(mb) / rows
+                    for mb, k in zip(window, masks)
+                )
+            total.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(total.detach()))
+        return training_state(model, opt), losses
+
+    got, got_losses = train(True)
+    want, want_losses = train(False)
+    d = differ(got, want)
+    if d is None and _same_tree(got_losses, want_losses, TOL, "") is None:
+        return ok()
+    return wrong(f"{d or 'parameters equal'}; losses {got_losses} against {want_losses}")
+
+
+@probe("coupled", quick=True)
+def p_coupled_python_random_mask(tmp: str) -> Verdict:
+    """``loop.Coupled`` whose ``embed`` draws a row mask from Python's ``random``."""
+    return random_run("coupled", "python", False)
+
+
+@probe("coupled", quick=True)
+def p_coupled_declared_generator_mask(tmp: str) -> Verdict:
+    """``loop.Coupled`` whose ``embed`` draws from a ``torch.Generator`` in ``generators=``."""
+    return random_run("coupled", "generator", True)
+
+
+@probe("coupled", expect="error", quick=True, words=("generators=",))
+def p_coupled_undeclared_generator_mask(tmp: str) -> Verdict:
+    """``loop.Coupled`` whose ``embed`` draws from a ``torch.Generator`` not handed in."""
+    return random_run("coupled", "generator", False)
+
+
+@probe("coupled", quick=True)
+def p_coupled_stats_python_random_mask(tmp: str) -> Verdict:
+    """``loop.WindowStats`` whose stats and loss draw a row mask from Python's ``random``."""
+    return random_run("stats", "python", False)
+
+
+@probe("coupled", quick=True)
+def p_coupled_stats_declared_generator_mask(tmp: str) -> Verdict:
+    """``loop.WindowStats`` drawing from a ``torch.Generator`` in ``generators=``."""
+    return random_run("stats", "generator", True)
+
+
+@probe("coupled", expect="error", quick=True, words=("complex", "view_as_real"))
+def p_coupled_complex_beside_float(tmp: str) -> Verdict:
+    """``loop.Coupled`` whose ``embed`` returns a complex leaf beside a float one."""
+    model = Tower()
+
+    def embed(m: nn.Module, mb: Any) -> Any:
+        z = m.lin(mb)
+        return {"f": z, "c": torch.complex(z, z)}
+
+    def loss(m: nn.Module, reps: Any, rows: Any) -> torch.Tensor:
+        return reps["f"].sum() + reps["c"].abs().sum()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = loop.Step(model, loop.Coupled(embed, loss), optimizer=opt)
+    return refusal(
+        lambda: step.add_window(coupled_data(1)[0][0]),
+        lambda: training_state(model, opt),
+        "a complex representation",
+        after=step.apply,
+    )
+
+
 @probe("coupled", world=2, quick=True)
 def p_coupled_2ranks_empty_rank(rank: int, world: int, tmp: str) -> Verdict:
     """2 ranks, ``loop.Coupled``: rank 1 has no micro-batch in the last window."""
