@@ -28,6 +28,7 @@ from ._layout import make_layout
 
 __all__ = [
     "CheckpointGuard",
+    "backward",
     "GradFn",
     "active_transform",
     "check_argnums",
@@ -38,6 +39,7 @@ __all__ = [
     "grad_and_value",
     "grad_on",
     "holds_inference",
+    "plain_tensors",
 ]
 
 P = ParamSpec("P")
@@ -444,6 +446,45 @@ def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
         return None
 
 
+# torch.autograd.backward, less its Python per input (a generator step and is_tensor_like for
+# each leaf, on every call: 2 Python calls per parameter per micro-batch). Its own engine call,
+# made directly where torch has it, for plain tensors (no __torch_function__ to dispatch).
+_ENGINE_RUN: Callable[..., Any] | None = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def plain_tensors(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is a plain ``Tensor`` or ``Parameter`` (no subclass to dispatch to).
+
+    C-level iteration (``map``, ``set``): no Python call per tensor.
+    """
+    return set(map(type, tensors)) <= _PLAIN
+
+
+def backward(
+    value: torch.Tensor, seed: torch.Tensor | None, inputs: tuple[torch.Tensor, ...], plain: bool
+) -> None:
+    """``torch.autograd.backward(value, seed, inputs=inputs)``; ``plain``: ``plain_tensors(...)``.
+
+    Where ``value``, ``seed`` and the inputs are plain tensors and the seed has the value's
+    shape, the engine runs directly (torch's own call, with its checks in C++: a value that
+    does not require grad, an input that is not a leaf); otherwise through the public function.
+    """
+    if (
+        plain
+        and _ENGINE_RUN is not None
+        and seed is not None
+        and type(value) is torch.Tensor
+        and type(seed) is torch.Tensor
+        and seed.shape == value.shape
+    ):
+        _ENGINE_RUN(
+            (value,), (seed,), False, False, inputs, allow_unreachable=True, accumulate_grad=True
+        )
+    else:
+        torch.autograd.backward(value, seed, inputs=inputs)
+
+
 # The running backward's id (-1 outside one), as torch.utils.checkpoint reads it; without it
 # (another torch), every module run while the guard is on is checked.
 _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
@@ -467,13 +508,21 @@ class CheckpointGuard:
         self.keys: set[tuple[Any, ...] | None] | None = None  # built at the first recompute
 
     def backward(
-        self, value: torch.Tensor, seed: torch.Tensor | None, leaves: list[torch.Tensor], args: Any
+        self,
+        value: torch.Tensor,
+        seed: torch.Tensor | None,
+        leaves: list[torch.Tensor],
+        args: Any,
+        plain: bool = False,
     ) -> None:
-        """``torch.autograd.backward(value, seed, inputs=leaves)``, guarded; ``args``: the call."""
+        """``torch.autograd.backward(value, seed, inputs=leaves)``, guarded; ``args``: the call.
+
+        ``plain``: ``plain_tensors(leaves)``, known by the caller (see ``backward``).
+        """
         self.leaves, self.args, self.keys = leaves, args, None
         handle = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
         try:
-            torch.autograd.backward(value, seed, inputs=leaves)
+            backward(value, seed, tuple(leaves), plain)
         except RuntimeError as err:
             self._reentrant(err)
             raise

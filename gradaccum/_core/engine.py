@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from .. import _reduce, _tree
-from .._autograd import CheckpointGuard, GradFn, explain_checkpoint, holds_inference
+from .._autograd import (
+    CheckpointGuard,
+    GradFn,
+    explain_checkpoint,
+    holds_inference,
+    plain_tensors,
+)
 from .._errors import describe
 from .._layout import Layout, check_grads, weigh
 from .protocol import Sync, Window, WindowSpec
@@ -178,6 +184,7 @@ class WindowRun:
         self.alpha: float = 1
         self.seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
         self.leaves: list[torch.Tensor] = []
+        self.plain = False  # plain_tensors(self.leaves)
         self.adopted: set[int] = set()
         self.hooks: list[Any] = []  # the hooks removed when the leaves are re-aliased
         self.first: dict[int, Any] = {}  # the hooks that hand the first gradients to the window
@@ -388,7 +395,7 @@ class WindowRun:
                 self.seeds[key] = seed
         else:
             self.alpha = scale
-        guard.backward(value, seed, self.leaves, (args, self.kwargs))
+        guard.backward(value, seed, self.leaves, (args, self.kwargs), self.plain)
 
     def _alias(self, j: int, args: list[Any]) -> list[Any]:
         """Fresh autograd leaves for micro-step ``j``'s params; the args that hold them."""
@@ -402,6 +409,7 @@ class WindowRun:
         assert self.opts.fast is not None
         new_args, leaves, _ = self.opts.fast.alias(self.call, args)
         self.leaves = leaves
+        self.plain = plain_tensors(leaves)
         self.hooks.extend(
             _hook(leaf, self._on_grad, i) for i, leaf in enumerate(leaves) if not native[i]
         )

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .. import _metrics, _reduce, _tree
-from .._autograd import grad_on
+from .._autograd import backward, grad_on, plain_tensors
 from .._checks import positive
 from .._core.accumulator import Accumulator
 from .._core.protocol import Window, check_sync
@@ -398,6 +398,8 @@ class Step:
         self._since: float | None = None
         self._names: list[str] = []
         self._params: list[torch.nn.Parameter] = []
+        self._inputs: tuple[torch.nn.Parameter, ...] = ()
+        self._plain = False
         # Every parameter of the model (as built) and its requires_grad when the window started:
         # read at each add, without walking the modules.
         self._every = list(model.named_parameters())
@@ -445,6 +447,8 @@ class Step:
         self._drop()
         self._names = [k for k, _ in named]
         self._params = [p for _, p in named]
+        self._inputs = tuple(self._params)  # the backward's inputs
+        self._plain = plain_tensors(self._params)
         self._zeros = [None] * len(named)
         self._masks = {}
         state = self.acc.init({k: p.detach() for k, p in named}, metrics=self._metric_shapes())
@@ -785,7 +789,7 @@ class Step:
         seed = self._seed(value, scale)
         params = self._params
         window.begin(1)
-        torch.autograd.backward(value, seed, inputs=params)
+        backward(value, seed, self._inputs, self._plain)
         if self._adopting:  # the parameters this first backward did not reach: a zero sum
             self._adopting = False
             for i, p in enumerate(params):
