@@ -249,6 +249,117 @@ def test_window_stats_replays_a_declared_generator() -> None:
     assert torch.equal(g.get_state(), ref.get_state())  # advanced by one pass
 
 
+def _dropout_loss_reference(x: torch.Tensor, windows: int) -> tuple[torch.Tensor, list[Any]]:
+    """Plain PyTorch: a count with no randomness, then one dropout per micro-batch, in order."""
+    w = _params()["w"].clone()
+    masks = []
+    torch.manual_seed(4)
+    for _ in range(windows):
+        wl = w.clone().requires_grad_()
+        count = (x[:, 0] > 0).sum()
+        total = 0
+        for mb in x.chunk(N):
+            h = F.dropout(mb @ wl, 0.5, training=True)
+            masks.append((h != 0).tolist())
+            total = total + h.pow(2).sum() / count
+        (g,) = torch.autograd.grad(total, wl)
+        w = w - 0.1 * g
+    return w, masks
+
+
+def test_window_stats_a_dropout_only_in_the_loss_draws_fresh_masks() -> None:
+    """stats counts (no randomness), loss has dropout: each micro-batch gets its own mask, and
+    the generator runs on from window to window, as in a plain loop (before: one mask for every
+    micro-batch of every window)."""
+    x = _batch() + 0.5
+    masks: list[Any] = []
+
+    def stats(p: Any, mb: torch.Tensor) -> torch.Tensor:
+        return (mb[:, 0] > 0).sum()
+
+    def loss(p: Any, mb: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(mb @ p["w"], 0.5, training=True)
+        masks.append((h.detach() != 0).tolist())
+        return h.pow(2).sum() / count
+
+    want, want_masks = _dropout_loss_reference(x, 2)
+    torch.manual_seed(4)
+    step = gradaccum.window_stats(stats, loss, N, reduction="sum")
+    w = _params()["w"]
+    for _ in range(2):
+        grads, _ = step({"w": w}, x)
+        w = w - 0.1 * grads["w"]
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=1e-14)
+    assert masks == want_masks
+    assert len({str(m) for m in masks}) == len(masks)  # no two micro-batches alike
+
+
+def test_window_stats_a_loss_that_draws_more_than_its_stats_is_refused() -> None:
+    """stats drew some numbers, the loss more: its extra ones would repeat another's."""
+
+    def stats(p: Any, mb: torch.Tensor) -> torch.Tensor:
+        return (F.dropout(mb, 0.5, training=True)[:, 0] > 0).sum()  # a router behind dropout
+
+    def loss(p: Any, mb: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(mb, 0.5, training=True)  # the router's mask, replayed
+        return F.dropout(h @ p["w"], 0.5, training=True).pow(2).sum() / count  # and one more
+
+    with pytest.raises(
+        GradAccumError,
+        match=r"drew other random numbers than stats did from "
+        r"torch's CPU generator",
+    ):
+        gradaccum.window_stats(stats, loss, N, reduction="sum")(_params(), _batch())
+
+
+def _mismatch_in_row(dtype: torch.dtype, scale: float, nan_row: bool) -> None:
+    """Pass 2 changes row 3 of the last micro-batch; row 0 of that micro-batch may be NaN."""
+    calls = [0]
+
+    def embed(p: Any, x: torch.Tensor) -> Any:
+        calls[0] += 1
+        z = (x @ p["w"]).to(dtype) * scale
+        if nan_row and calls[0] in (N, 2 * N):
+            z = z.clone()
+            z[0] = float("nan")
+        if calls[0] == 2 * N:
+            z = z.clone()
+            z[1] = z[1] * 2
+        return {"z": z, "zero": torch.zeros_like(z)}
+
+    def loss(p: Any, reps: Any, rows: Rows) -> torch.Tensor:
+        z = torch.nan_to_num(reps["z"].double())
+        return z.pow(2).sum() / scale**2 + reps["zero"].sum()
+
+    with pytest.raises(GradAccumError, match=r"\['z'\] of micro-batch 3 differs by"):
+        gradaccum.coupled(embed, loss, N)(_params(), _batch())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_check_sees_past_a_nan_row_and_at_any_magnitude(dtype: torch.dtype) -> None:
+    _mismatch_in_row(dtype, 1.0, nan_row=True)
+    big = 1e30 if dtype != torch.float64 else 1e150
+    _mismatch_in_row(dtype, big if dtype != torch.bfloat16 else 1e30, nan_row=False)
+    _mismatch_in_row(dtype, 1e-30, nan_row=False)
+
+
+def test_rounding_in_a_leaf_that_is_zero_is_not_an_error() -> None:
+    """A leaf exactly 0 in pass 1, rounding noise in pass 2 (a - a in another order)."""
+    calls = [0]
+
+    def embed(p: Any, x: torch.Tensor) -> Any:
+        calls[0] += 1
+        z = (x @ p["w"]).float()
+        noise = torch.zeros_like(z) if calls[0] <= N else (z * 3 - z * 2 - z) * 1e-3
+        return {"z": z, "zero": noise}
+
+    def loss(p: Any, reps: Any, rows: Rows) -> torch.Tensor:
+        return reps["z"].pow(2).sum() + reps["zero"].sum()
+
+    grads, _ = gradaccum.coupled(embed, loss, N)(_params(), _batch())
+    assert torch.isfinite(grads["w"]).all()
+
+
 # -- loop.Coupled and loop.WindowStats ------------------------------------------------------------
 
 
@@ -339,8 +450,13 @@ def _embed(p: Any, x: torch.Tensor) -> torch.Tensor:
     [
         ({"generators": torch.Generator()}, "generators must be a list of torch.Generator"),
         ({"generators": [1]}, r"generators\[0\] must be one of torch.Generator"),
-        ({"generators": [random]}, "replayed already: leave them out"),
+        ({"generators": [random]}, "replayed already; leave them out"),
+        ({"generators": [np.random]}, "the module numpy.random"),
+        ({"generators": [random.SystemRandom()]}, "has no state to replay"),
+        ({"generators": "gen"}, "pass a list or tuple of them"),
+        ({"generators": (g for g in [torch.Generator()])}, "pass a list or tuple of them"),
         ({"check_replay": 1}, "check_replay must be True or False, got int"),
+        ({"check_replay": np.bool_(True)}, r"numpy\.bool"),
     ],
 )
 def test_bad_replay_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:

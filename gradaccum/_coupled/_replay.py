@@ -14,6 +14,7 @@ running statistics, its batch counter) to what pass 1 left.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections.abc import Sequence
@@ -37,29 +38,42 @@ GENERATORS = (
 )
 
 
+def _numpy_kinds() -> tuple[type, ...]:
+    """NumPy's ``Generator`` and ``RandomState`` (none when NumPy was never imported)."""
+    np = sys.modules.get("numpy")
+    return (np.random.Generator, np.random.RandomState) if np is not None else ()
+
+
 def check_generators(where: str, generators: Any) -> tuple[Any, ...]:
     """``generators=`` checked: a sequence of random generators whose states can be replayed."""
-    if isinstance(generators, (torch.Generator, random.Random)) or not isinstance(
+    if isinstance(generators, (torch.Generator, random.Random, str, bytes)) or not isinstance(
         generators, Sequence
     ):
+        fix = (
+            "wrap a single one in a list: generators=[g]"
+            if isinstance(generators, (torch.Generator, random.Random, *_numpy_kinds()))
+            else "pass a list or tuple of them: generators=[g1, g2]"
+        )
         raise TypeError(
             f"{where}: generators must be a list of {GENERATORS}, got {describe(generators)}; "
-            f"wrap a single one in a list: generators=[g]."
+            f"{fix}."
         )
+    np = sys.modules.get("numpy")
     for k, g in enumerate(generators):
-        if not (
-            isinstance(g, (torch.Generator, random.Random))
-            or hasattr(g, "bit_generator")
-            or (hasattr(g, "get_state") and hasattr(g, "set_state"))
-        ):
-            hint = (
-                " (Python's global random, NumPy's global generator and torch's are replayed "
-                "already: leave them out)"
-                if g is random or g is getattr(sys.modules.get("numpy"), "random", None)
-                else ""
-            )
+        if g is random or (np is not None and g is np.random) or g is torch.random:
             raise TypeError(
-                f"{where}: generators[{k}] must be one of {GENERATORS}, got {describe(g)}{hint}."
+                f"{where}: generators[{k}] is the module {g.__name__}: Python's global random, "
+                f"NumPy's global generator and torch's are replayed already; leave them out "
+                f"(generators= is for explicit generator objects)."
+            )
+        if isinstance(g, random.SystemRandom):
+            raise TypeError(
+                f"{where}: generators[{k}] is a random.SystemRandom, which draws from the "
+                f"operating system and has no state to replay; use a seeded random.Random."
+            )
+        if not isinstance(g, (torch.Generator, random.Random, *_numpy_kinds())):
+            raise TypeError(
+                f"{where}: generators[{k}] must be one of {GENERATORS}, got {describe(g)}."
             )
     return tuple(generators)
 
@@ -67,7 +81,10 @@ def check_generators(where: str, generators: Any) -> tuple[Any, ...]:
 def check_flag(where: str, name: str, value: Any) -> None:
     """A ``True``/``False`` keyword, checked."""
     if not isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be True or False, got {describe(value)}.")
+        raise TypeError(
+            f"{where}: {name} must be True or False, got {describe(value)} "
+            f"({type(value).__module__}.{type(value).__qualname__}); pass a Python bool."
+        )
 
 
 def _get(g: Any) -> Any:
@@ -80,7 +97,7 @@ def _get(g: Any) -> Any:
     return g.get_state()  # numpy.random.RandomState
 
 
-def _set(g: Any, state: Any) -> None:
+def _put(g: Any, state: Any) -> None:
     if isinstance(g, torch.Generator):
         g.set_state(state)
     elif isinstance(g, random.Random):
@@ -91,36 +108,85 @@ def _set(g: Any, state: Any) -> None:
         g.set_state(state)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two captured states are equal (tensors, NumPy arrays, nested containers)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        equal = a == b
+        if isinstance(equal, bool):
+            return equal
+    except (ValueError, RuntimeError):  # containers of arrays or tensors: element by element
+        pass
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b))
+        )
+    np = sys.modules.get("numpy")
+    return bool(np is not None and np.array_equal(a, b))
+
+
+def _set_cuda(state: Any) -> None:
+    torch.cuda.set_rng_state_all(state)
+
+
+def _set_numpy(state: Any) -> None:
+    sys.modules["numpy"].random.set_state(state)
+
+
 class RandomStates:
     """The random states a forward may draw from, captured and replayed.
 
-    torch's CPU generator and every initialised CUDA device's, Python's global ``random``,
-    NumPy's global generator (when NumPy is imported), and ``generators``: explicit ones,
-    which nothing could find otherwise.
+    The sources: torch's CPU generator, every initialised CUDA device's, Python's global
+    ``random``, NumPy's global generator (when NumPy is imported), and ``generators``: explicit
+    ones, which nothing could find otherwise. A state is a list with one entry per source
+    (``None`` where a source was absent).
+
+    ``coupled`` runs the same ``embed`` in both passes: pass 2 sets every source to where pass 1
+    started each micro-batch (``replay``), and ``restore`` leaves them as pass 1 left them.
+    ``window_stats`` runs ``stats`` in pass 1 and ``loss`` in pass 2, which may draw other
+    numbers: ``replay_drawn`` sets only the sources micro-batch ``j``'s ``stats`` drew from (its
+    router's dropout, say), and ``check_drawn`` then requires ``loss`` to have left each of them
+    where ``stats`` did, else ``loss``'s extra numbers would repeat those of the next
+    micro-batch. A source ``stats`` did not draw from is left to run on through pass 2 (a
+    dropout in ``loss`` after a count in ``stats``: fresh masks per micro-batch, as a plain
+    loop draws them).
     """
+
+    NAMES = (
+        "torch's CPU generator",
+        "torch's CUDA generators",
+        "Python's random",
+        "NumPy's global generator",
+    )
 
     def __init__(self, generators: tuple[Any, ...] = ()) -> None:
         self.generators = generators
-        self.states: list[tuple[Any, ...]] = []
-        self.after: tuple[Any, ...] | None = None
+        self.states: list[list[Any]] = []
+        self.after: list[Any] | None = None
+        self._drawn: list[int] = []
+        self._j = 0
 
-    def _now(self) -> tuple[Any, ...]:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
+    def _now(self) -> list[Any]:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
         np = sys.modules.get("numpy")
         legacy = np.random.get_state() if np is not None else None
-        own = tuple(_get(g) for g in self.generators)
-        return torch.get_rng_state(), cuda, random.getstate(), legacy, own
+        own = [_get(g) for g in self.generators]
+        return [torch.get_rng_state(), cuda, random.getstate(), legacy, *own]
 
-    def _set(self, state: tuple[Any, ...]) -> None:
-        cpu, cuda, python, legacy, own = state
-        torch.set_rng_state(cpu)
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(python)
-        if legacy is not None:
-            sys.modules["numpy"].random.set_state(legacy)
-        for g, s in zip(self.generators, own):
-            _set(g, s)
+    def _set(self, state: list[Any], which: Sequence[int] | None = None) -> None:
+        setters: list[Any] = [torch.set_rng_state, _set_cuda, random.setstate, _set_numpy]
+        setters += [functools.partial(_put, g) for g in self.generators]
+        for k, (put, value) in enumerate(zip(setters, state)):
+            if value is not None and (which is None or k in which):
+                put(value)
+
+    def _name(self, k: int) -> str:
+        return self.NAMES[k] if k < len(self.NAMES) else f"generators[{k - len(self.NAMES)}]"
 
     def capture(self) -> None:
         """Keep the random state as it is now: before the next micro-batch of pass 1."""
@@ -139,6 +205,34 @@ class RandomStates:
         if self.after is not None:
             self._set(self.after)
 
+    def _post(self, j: int) -> list[Any]:
+        """The state micro-batch ``j`` of pass 1 ended with."""
+        after = self.states[j + 1] if j + 1 < len(self.states) else self.after
+        assert after is not None
+        return after
+
+    def replay_drawn(self, j: int) -> None:
+        """``window_stats``'s pass 2: set the sources ``stats`` drew from to where it started."""
+        before, after = self.states[j], self._post(j)
+        self._drawn = [k for k, (a, b) in enumerate(zip(before, after)) if not _same(a, b)]
+        self._j = j
+        self._set(before, self._drawn)
+
+    def check_drawn(self, call: str) -> None:
+        """After micro-batch ``j``'s loss: each source ``stats`` drew from is where it left it."""
+        if not self._drawn:
+            return
+        now, after = self._now(), self._post(self._j)
+        off = [self._name(k) for k in self._drawn if not _same(now[k], after[k])]
+        if off:
+            raise GradAccumError(
+                f"{call}: the loss of micro-batch {self._j} drew other random numbers than "
+                f"stats did from {', '.join(off)} (stats drew some, the loss more or fewer), so "
+                f"its extra numbers would repeat those of another micro-batch. Draw the same "
+                f"numbers in both (run in stats the same forward, up to what it counts), or "
+                f"none in stats: a source stats does not draw from runs on through the loss."
+            )
+
 
 # The relative difference (per row, see ReplayCheck) below which pass 2's representations are
 # taken for pass 1's: rounding from nondeterministic kernels, or from another kernel for the
@@ -154,12 +248,16 @@ def tolerance(dtype: torch.dtype) -> float:
 class ReplayCheck:
     """Pass 2's representations against pass 1's: an error when they differ beyond rounding.
 
-    Per micro-batch and floating leaf, on the device: the largest over the rows of
-    ``|pass 2 - pass 1| / (|pass 1| + 1e-3 * rms)`` (norms over each row; ``rms``, the leaf's
-    mean row norm, keeps near-zero rows from dividing by zero), over the leaf's tolerance
-    (``TOLERANCE``). The host reads them once, at the last micro-batch, and raises there: inside
-    the window, so that under a sync the rank joins the boundary flagged as failed and every
-    other rank raises too, and nothing is applied anywhere.
+    Per micro-batch and floating leaf, on the device, in float64: the largest over the rows of
+    ``|pass 2 - pass 1| / (|pass 1| + floor)`` (norms over each row), over the leaf's tolerance
+    (``TOLERANCE``). ``floor`` keeps rows near zero from dividing by zero: 1e-3 of the leaf's
+    mean row norm, plus the tolerance times the largest row norm of any leaf of the micro-batch
+    (rounding in a leaf that is zero is relative to the magnitudes around it). Non-finite
+    elements must be the same in both passes (else the row differs); they are left out of the
+    norms, so a NaN in one row does not hide a difference in another. The host reads the scores
+    once, at the last micro-batch, and raises there: inside the window, so that under a sync
+    the rank joins the boundary flagged as failed and every other rank raises too, and nothing
+    is applied anywhere.
     """
 
     def __init__(
@@ -174,40 +272,60 @@ class ReplayCheck:
         """Micro-batch ``j``'s pass-2 floating leaves; at the last, raise if any differed."""
         if j == 0:
             self.scores = []
+        f64 = torch.float64
         with torch.no_grad():
+            pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+            big = torch.zeros((), dtype=f64, device=self.cached[j][0].device)
             for now, then in zip(leaves, self.cached[j]):
-                rows = then.shape[0]
                 if now.shape != then.shape:  # another shape: another representation
-                    self.scores.append(torch.tensor(float("inf")))
+                    pairs.append(None)
                     continue
-                if rows == 0:
-                    continue
-                wide = torch.float64 if then.dtype == torch.float64 else torch.float32
-                a = now.detach().reshape(rows, -1).to(wide)
-                b = then.reshape(rows, -1).to(wide)
+                rows = then.shape[0]
+                a = now.detach().reshape(rows, -1).to(f64)
+                b = then.reshape(rows, -1).to(f64)
+                fa, fb = a.isfinite(), b.isfinite()
+                # Non-finite where the other is not, or another non-finite value: the row differs.
+                odd = (fa != fb) | (~fa & ~((a == b) | (a.isnan() & b.isnan())))
+                a, b = torch.where(fa, a, 0.0), torch.where(fb, b, 0.0)
                 ref = b.norm(dim=1)
-                floor = 1e-3 * ref.mean() + torch.finfo(wide).tiny
-                worst = ((a - b).norm(dim=1) / (ref + floor)).max()
-                self.scores.append(worst / tolerance(then.dtype))
+                if rows:
+                    big = torch.maximum(big, ref.max())
+                pairs.append((a, b, ref, odd.any(dim=1)))
+            for pair, then in zip(pairs, self.cached[j]):
+                tol = tolerance(then.dtype)
+                if pair is None:
+                    self.scores.append(torch.full((), float("inf"), dtype=f64, device=big.device))
+                    continue
+                a, b, ref, odd = pair
+                if a.shape[0] == 0:
+                    continue
+                floor = 1e-3 * ref.mean() + tol * big + torch.finfo(f64).tiny
+                worst = ((a - b).norm(dim=1) / (ref + floor)).masked_fill(odd, float("inf"))
+                self.scores.append(worst.max() / tol)  # on the device: no read here
         if j == len(self.cached) - 1 and self.scores:
-            self._check(torch.stack([t.cpu() for t in self.scores]).tolist())
+            self._check(torch.stack(self.scores).tolist())
 
     def _check(self, scores: list[float]) -> None:
         width = len(self.paths)
-        bad = [(s, k) for k, s in enumerate(scores) if s > 1.0]  # NaN is not a replay error
+        bad = [(s, k) for k, s in enumerate(scores) if s > 1.0]
         if not bad:
             return
         score, k = max(bad)
         j, i = divmod(k, width)
         dtype = self.cached[j][i].dtype
+        how = (
+            "differs in shape or in where it is not finite"
+            if score == float("inf")
+            else f"differs by {score * tolerance(dtype):.3g} (relative, per row; "
+            f"{tolerance(dtype):.0e} is the most rounding explains in {dtype})"
+        )
         raise GradAccumError(
             f"{self.call}: pass 2 did not reproduce pass 1's representations: {self.paths[i]} of "
-            f"micro-batch {j} differs by {score * tolerance(dtype):.3g} (relative, per row; "
-            f"{tolerance(dtype):.0e} is the most rounding explains in {dtype}), so the gradient "
-            f"would be that of other representations. embed draws random numbers that were not "
-            f"replayed (an explicit torch.Generator, numpy.random.Generator or random.Random: "
-            f"pass it as generators=[...]), or depends on state that changed between the passes. "
-            f"Nothing was applied; if the difference is expected, pass check_replay=False."
+            f"micro-batch {j} {how}, so the gradient would be that of other representations. "
+            f"embed draws random numbers that were not replayed (an explicit torch.Generator, "
+            f"numpy.random.Generator or random.Random: pass it as generators=[...]), or depends "
+            f"on state that changed between the passes. Nothing was applied; if the difference "
+            f"is expected, pass check_replay=False (the same on every rank)."
         )
 
 

@@ -34,15 +34,18 @@ __all__ = ["collect", "window_stats"]
 class _Pass2:
     """The loss of pass 2: the window's statistics passed in, pass 1's random state replayed."""
 
-    def __init__(self, loss: Callable[..., Any]) -> None:
+    def __init__(self, loss: Callable[..., Any], call: str) -> None:
         self.loss = loss
+        self.call = call
         self.rng = RandomStates()
         self.next = 0
 
     def step(self, params: Any, batch: Any, stats: Any) -> torch.Tensor:
         j, self.next = self.next, self.next + 1
-        self.rng.replay(j)
-        return self.loss(params, batch, stats)  # type: ignore[no-any-return]
+        self.rng.replay_drawn(j)
+        out = self.loss(params, batch, stats)
+        self.rng.check_drawn(self.call)
+        return out  # type: ignore[no-any-return]
 
 
 def window_stats(
@@ -66,9 +69,13 @@ def window_stats(
 
     Pass 2 replays pass 1's random numbers per micro-batch, so a router behind dropout routes
     as it was counted: those of torch's CPU and CUDA generators, Python's ``random``, NumPy's
-    global generator, and the explicit generators given in ``generators``. Randomness from
-    anywhere else is not replayed, and not detected either (pass 2 has the statistics, not
-    their recomputation): ``loss`` would then route other tokens than ``stats`` counted. Buffers
+    global generator, and the explicit generators given in ``generators``, each one that
+    ``stats`` drew from. ``loss`` must then draw the same numbers from it (``GradAccumError``
+    if it draws more or fewer). A source ``stats`` does not draw from is not replayed: a
+    dropout in ``loss`` after a plain count in ``stats`` draws fresh masks per micro-batch, as
+    a plain loop would. Randomness from anywhere else is not replayed, and not detected either
+    (pass 2 has the statistics, not their recomputation): ``loss`` would then route other
+    tokens than ``stats`` counted. Buffers
     that pass 2 changes (BatchNorm's running statistics) are put back as pass 1 left them.
     Statistics are return values, never side effects, so activation checkpointing, which runs a
     block's forward again during the backward, cannot count tokens twice. The cost is one
@@ -134,8 +141,8 @@ def window_stats(
         )
     gens = check_generators(where, generators)
     kind = sync if sync is not None else LOCAL
-    ctx = _Pass2(loss)
     call = f"{where}(params, batch)"
+    ctx = _Pass2(loss, call)
     inner = accumulate_as(call, grad_and_value(ctx.step), n, reduction=reduction, sync=sync)
     opened = [0]
 
@@ -149,7 +156,8 @@ def window_stats(
         forwards = [(functools.partial(stats, start.params, mb), r) for mb, r in start.micro]
         window = collect(call, forwards, start.failure, rng, start.exchange, index, start.device)
         ctx.rng, ctx.next = rng, 0
-        return second_pass(rng, lambda: inner(params, batch, window))  # type: ignore[no-any-return]
+        run = lambda: inner(params, batch, window)  # noqa: E731
+        return second_pass(rng, run, restore=False)  # type: ignore[no-any-return]
 
     return functools.wraps(loss)(step) if not torch.compiler.is_compiling() else step
 

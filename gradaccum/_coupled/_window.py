@@ -76,19 +76,25 @@ def open_call(call: str, sync: Sync, params: Any, batch: Any, n: int, fn: str) -
     return Opened(exchange, micro, failure, full, device)
 
 
-def second_pass(rng: RandomStates, run: Callable[[], T]) -> T:
+def second_pass(rng: RandomStates, run: Callable[[], T], restore: bool = True) -> T:
     """Pass 2: ``run()`` with pass 1's random states to replay, and module buffers kept.
 
-    The random state ends as pass 1 left it. ``run``'s errors name the user's call already:
-    the inner ``accumulate`` is built with it (``accumulate_as``), and ``Step.add`` run by
-    ``add_window`` names ``Step.add_window(batches)``.
+    With ``restore``, the random state ends as pass 1 left it (``coupled``; ``window_stats``
+    leaves it as its loss left it: see ``RandomStates``); after an error, as pass 1 left it
+    in both (a retry of the window starts there). ``run``'s errors name the user's
+    call already: the inner ``accumulate`` is built with it (``accumulate_as``), and
+    ``Step.add`` run by ``add_window`` names ``Step.add_window(batches)``.
     """
     rng.end_of_pass()
     try:
         with KeptBuffers():
-            return run()
-    finally:
+            out = run()
+    except BaseException:
         rng.restore()
+        raise
+    if restore:
+        rng.restore()
+    return out
 
 
 @dataclass(frozen=True)

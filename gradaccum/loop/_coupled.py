@@ -235,13 +235,17 @@ def _stats_window(step: Any, batches: Iterable[Any]) -> None:
 
     def with_window(model: torch.nn.Module, mb: Any) -> Any:
         j, at[0] = at[0], at[0] + 1
-        rng.replay(j)
-        return ws.loss(model, mb, window)
+        rng.replay_drawn(j)
+        out = ws.loss(model, mb, window)
+        rng.check_drawn(where)
+        return out
 
-    _feed(step, with_window, rng, taken)
+    _feed(step, with_window, rng, taken, restore=False)
 
 
-def _feed(step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[Any]) -> None:
+def _feed(
+    step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[Any], restore: bool = True
+) -> None:
     """Pass 2: ``items`` through the step's own ``add``, with ``loss`` as its loss."""
 
     def add_all() -> None:
@@ -251,7 +255,7 @@ def _feed(step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[An
     kept, step.loss = step.loss, loss
     step._feeding = True
     try:
-        second_pass(rng, add_all)
+        second_pass(rng, add_all, restore)
     finally:
         step.loss, step._feeding = kept, False
 
