@@ -30,7 +30,9 @@ __all__ = [
     "ReplayCheck",
     "check_flag",
     "check_generators",
+    "load_states",
     "reraise",
+    "saved_states",
 ]
 
 GENERATORS = (
@@ -106,6 +108,56 @@ def _put(g: Any, state: Any) -> None:
         g.bit_generator.state = state
     else:
         g.set_state(state)
+
+
+def _plain(x: Any) -> Any:
+    """A generator's state in what ``torch.load(weights_only=True)`` reads back (``_unplain``)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {"dict": {k: _plain(v) for k, v in x.items()}}
+    if isinstance(x, (list, tuple)):
+        return {"tuple" if isinstance(x, tuple) else "list": [_plain(v) for v in x]}
+    if hasattr(x, "dtype") and hasattr(x, "shape"):  # a NumPy array (MT19937's key)
+        return {"ndarray": torch.from_numpy(x.astype("int64")), "dtype": str(x.dtype)}
+    if hasattr(x, "item") and not isinstance(x, (bool, int, float, str)):  # a NumPy scalar
+        return x.item()
+    return x
+
+
+def _unplain(x: Any) -> Any:
+    if isinstance(x, dict):
+        if "ndarray" in x:
+            return x["ndarray"].numpy().astype(x["dtype"])
+        if "dict" in x:
+            return {k: _unplain(v) for k, v in x["dict"].items()}
+        if "tuple" in x:
+            return tuple(_unplain(v) for v in x["tuple"])
+        return [_unplain(v) for v in x["list"]]
+    return x
+
+
+def saved_states(generators: tuple[Any, ...]) -> list[Any]:
+    """The explicit generators' states, for a checkpoint (read back by ``load_states``)."""
+    return [{"kind": type(g).__qualname__, "state": _plain(_get(g))} for g in generators]
+
+
+def load_states(where: str, generators: tuple[Any, ...], saved: Any, apply: bool = True) -> None:
+    """Set the explicit generators to the states of a checkpoint, refused if they differ.
+
+    ``apply=False``: only the check (nothing is set).
+    """
+    kinds = [type(g).__qualname__ for g in generators]
+    got = [s.get("kind") for s in saved] if isinstance(saved, list) else None
+    if got != kinds:
+        raise ValueError(
+            f"{where}: the checkpoint holds the states of the generators {got} (the loss's "
+            f"generators= when it was saved), this step's loss has {kinds}; build the loss with "
+            f"the same generators=, in the same order."
+        )
+    for g, s in zip(generators, saved):
+        if apply:
+            _put(g, _unplain(s["state"]))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._coupled._replay import load_states, saved_states
 from .._errors import GradAccumError, describe
 from ._data import Windows
 from ._plan import Agreement, data_axes
@@ -159,7 +160,9 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
     window in progress (its running sums and statistics). With ``data`` (by default the step's,
     ``Step(..., data=)``): the data position (epoch, micro-batch, the random states of the
     epoch's iterator). Always: this process's random states (torch CPU and CUDA, Python's
-    ``random``, NumPy's if imported). [`load()`][gradaccum.loop.load] resumes bit-identically:
+    ``random``, NumPy's if imported), and those of the explicit generators of a
+    [`Coupled`][gradaccum.loop.Coupled] or [`WindowStats`][gradaccum.loop.WindowStats] loss
+    (its ``generators=``). [`load()`][gradaccum.loop.load] resumes bit-identically:
     the same updates, on every rank.
 
     Every rank calls it at the same point of the loop: decide from the window index alone
@@ -231,6 +234,8 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
             own["step"] = {"accumulator": part.pop("accumulator")}
             shared = {"format": FORMAT, "world": world, "step": part}
     own["rng"] = rng_states()
+    if step is not None:  # the loss's explicit generators (loop.Coupled, loop.WindowStats)
+        own["generators"] = saved_states(_generators(step))
     run = run_token()
     _counts[run] = count = _counts.get(run, 0) + 1
     own["save"] = [run, count]
@@ -240,6 +245,11 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
     _write(folder / f"rank{rank}.pt", own, run)
     if step is not None:  # carried into the boundary: a save some ranks missed fails it
         setattr(step, "_saves", getattr(step, "_saves", 0) + 1)  # noqa: B010 - api.md's Step._saves
+
+
+def _generators(step: Step) -> tuple[Any, ...]:
+    """The explicit random generators of the step's loss (``generators=``), if any."""
+    return tuple(getattr(getattr(step, "_coupled", None), "generators", ()))
 
 
 def _write(file: Path, obj: Any, run: int) -> None:
@@ -352,6 +362,9 @@ def _prepare(
         model = {**part.pop("params"), **own["buffers"]}
         apply_step = prepare(where, step, {**part, "model": model})
     check_rng_state(where, own["rng"])
+    gens = _generators(step) if step is not None else ()
+    if step is not None:  # checked now (nothing changes on a refusal), set in apply()
+        load_states(where, gens, own.get("generators", []), apply=False)
     undo: Callable[[], None] = lambda: None  # noqa: E731
     if data is not None:
         before = data.state_dict()
@@ -367,6 +380,8 @@ def _prepare(
             undo()
             raise
         set_rng_states(own["rng"])
+        if gens:
+            load_states(where, gens, own.get("generators", []))
 
     return apply, undo, ident
 
