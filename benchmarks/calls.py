@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
@@ -186,20 +187,33 @@ def host_work(path: str, blocks: int, n: int, windows: int = 5) -> tuple[float, 
     return statistics.median(calls), float(ops.count)
 
 
-def lm_table() -> None:
+def lm_table(paths: tuple[str, ...] = LM_PATHS[1:], out: str | None = None) -> None:
     print("Extra host work against the hand loop (issue 36): Python calls (setprofile 'call'")
     print("events) and aten ops; LM d=64, 4 heads, vocab 512, micro-batches 4 x 32, fused AdamW,")
     print("all_reduce() on a group of one")
     print()
     print("| path | blocks | calls per micro-batch | calls per window | aten ops per micro-batch |")
     print("|---|---|---|---|---|")
+    rows = []
     for blocks in (4, 8):
-        work = {(p, k): host_work(p, blocks, k) for p in LM_PATHS for k in (4, 16)}
-        for path in LM_PATHS[1:]:
+        work = {(p, k): host_work(p, blocks, k) for p in ("hand", *paths) for k in (4, 16)}
+        for path in paths:
             extra = {k: [a - b for a, b in zip(work[path, k], work["hand", k])] for k in (4, 16)}
             per_mb = [(extra[16][i] - extra[4][i]) / 12 for i in range(2)]
             per_window = extra[4][0] - 4 * per_mb[0]
             print(f"| {path} | {blocks} | {per_mb[0]:.0f} | {per_window:.0f} | {per_mb[1]:.1f} |")
+            rows.append(
+                {
+                    "path": path,
+                    "blocks": blocks,
+                    "calls_per_micro_batch": per_mb[0],
+                    "calls_per_window": per_window,
+                    "ops_per_micro_batch": per_mb[1],
+                }
+            )
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def main() -> None:
@@ -209,6 +223,8 @@ def main() -> None:
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lm", action="store_true", help="issue 36's host-work table instead")
+    ap.add_argument("--paths", nargs="+", default=list(LM_PATHS[1:]), choices=LM_PATHS[1:])
+    ap.add_argument("--json", default=None, help="with --lm: also write the rows here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.lm:
@@ -216,7 +232,7 @@ def main() -> None:
         os.environ.setdefault("MASTER_PORT", str(_launch.free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
         try:
-            lm_table()
+            lm_table(tuple(args.paths), args.json)
         finally:
             dist.destroy_process_group()
         return
