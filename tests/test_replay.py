@@ -617,10 +617,93 @@ def test_a_checkpoint_of_other_generators_is_refused(tmp_path: Any) -> None:
     step = Step(
         model, Coupled(_embed_model, _loop_loss), torch.optim.SGD(model.parameters(), lr=0.1)
     )
-    with pytest.raises(ValueError, match=r"generators \['Generator'\].*has \[\]"):
+    with pytest.raises(ValueError, match=r"torch.Generator\(device='cpu'\).*has \[\]"):
         gradaccum.loop.load(str(tmp_path), step)
     assert step.window == 0
 
 
 def _embed_model(m: Any, x: torch.Tensor) -> torch.Tensor:
     return x @ m.w
+
+
+def test_a_checkpoint_of_another_bit_generator_is_refused(tmp_path: Any) -> None:
+    """numpy Generators of other bit generators (PCG64, MT19937) are other kinds."""
+    _train_coupled(np.random.default_rng(7), "numpy-Generator", stop=1, path=str(tmp_path))
+    other = np.random.Generator(np.random.MT19937(7))
+    model = _Encoder()
+    step = Step(
+        model,
+        Coupled(_embed_model, _loop_loss, generators=[other]),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    before = model.w.detach().clone()
+    with pytest.raises(ValueError, match=r"Generator\(PCG64\).*Generator\(MT19937\)"):
+        gradaccum.loop.load(str(tmp_path), step)
+    assert step.window == 0
+    assert torch.equal(model.w.detach(), before)
+
+
+def test_window_stats_drawing_on_some_micro_batches_only_keeps_the_others_fresh() -> None:
+    """stats draws only for micro-batch 1 (its data says so); each loss draws a mask. The loss
+    of micro-batch 1 replays stats' numbers; the others draw afresh, one after the other, after
+    stats' numbers (before: micro-batches 0 and 2 got one mask, and windows repeated masks)."""
+    x = _batch()
+    x[2:4, 0] = 1000.0  # micro-batch 1
+    masks: list[Any] = []
+
+    def special(mb: torch.Tensor) -> bool:
+        return bool(mb[0, 0] > 100)
+
+    def stats(p: Any, mb: torch.Tensor) -> torch.Tensor:
+        if special(mb):
+            return (torch.rand(len(mb)) > 0.5).sum()
+        return torch.tensor(len(mb))
+
+    def loss(p: Any, mb: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(len(mb)) > 0.5
+        masks.append(keep.tolist())
+        return ((mb @ p["w"]).pow(2).sum(-1) * keep).sum() / count
+
+    torch.manual_seed(6)
+    step = gradaccum.window_stats(stats, loss, N, reduction="sum")
+    for _ in range(2):
+        step(_params(), x)
+    after = torch.get_rng_state()
+    # Plain PyTorch: per window, stats' numbers first, then the other losses' fresh ones.
+    torch.manual_seed(6)
+    want = []
+    for _ in range(2):
+        drawn = (torch.rand(2) > 0.5).tolist()
+        fresh = [(torch.rand(2) > 0.5).tolist() for _ in range(3)]
+        want += [fresh[0], drawn, fresh[1], fresh[2]]
+    assert masks == want
+    assert torch.equal(after, torch.get_rng_state())
+
+
+def test_a_small_leaf_redrawn_beside_a_large_one_is_caught_in_bfloat16() -> None:
+    calls = [0]
+
+    def embed(p: Any, x: torch.Tensor) -> Any:
+        calls[0] += 1
+        g = torch.Generator().manual_seed(calls[0])  # another draw in every call
+        emb = (x @ p["w"]).repeat(1, 300).to(torch.bfloat16) * 10
+        gate = (torch.rand(len(x), 1, generator=g) * 0.1).to(torch.bfloat16)
+        return {"emb": emb, "gate": gate}
+
+    def loss(p: Any, reps: Any, rows: Rows) -> torch.Tensor:
+        return (reps["emb"].double().sum(-1) * reps["gate"].double()[:, 0]).sum()
+
+    with pytest.raises(GradAccumError, match=r"\['gate'\] of micro-batch"):
+        gradaccum.coupled(embed, loss, N)(_params(), _batch())
+
+
+def test_loop_coupled_takes_a_micro_batch_of_no_rows() -> None:
+    """A 0-row micro-batch in loop.Coupled (which takes it): exact, the replay check too."""
+    x = _batch()
+    model, ref = _Encoder(), _Encoder()
+    step = Step(model, Coupled(_embed_model, _loop_loss), torch.optim.SGD(model.parameters(), 1.0))
+    step.add_window([x[:3], x[3:3], x[3:]])
+    step.apply()
+    w = ref.w.detach().clone().requires_grad_()
+    (g,) = torch.autograd.grad(_info_nce(None, x @ w, Rows(0, ROWS, ROWS, (ROWS,))), w)
+    torch.testing.assert_close(model.w.detach(), ref.w.detach() - g, rtol=1e-12, atol=1e-14)

@@ -15,6 +15,7 @@ running statistics, its batch counter) to what pass 1 left.
 from __future__ import annotations
 
 import functools
+import math
 import random
 import sys
 from collections.abc import Sequence
@@ -137,9 +138,18 @@ def _unplain(x: Any) -> Any:
     return x
 
 
+def _kind(g: Any) -> str:
+    """A generator's kind, as far as its state fits only its own kind."""
+    if isinstance(g, torch.Generator):
+        return f"torch.Generator(device={g.device.type!r})"
+    if hasattr(g, "bit_generator"):
+        return f"numpy.random.Generator({type(g.bit_generator).__name__})"
+    return f"{type(g).__module__}.{type(g).__qualname__}"
+
+
 def saved_states(generators: tuple[Any, ...]) -> list[Any]:
     """The explicit generators' states, for a checkpoint (read back by ``load_states``)."""
-    return [{"kind": type(g).__qualname__, "state": _plain(_get(g))} for g in generators]
+    return [{"kind": _kind(g), "state": _plain(_get(g))} for g in generators]
 
 
 def load_states(where: str, generators: tuple[Any, ...], saved: Any, apply: bool = True) -> None:
@@ -147,7 +157,7 @@ def load_states(where: str, generators: tuple[Any, ...], saved: Any, apply: bool
 
     ``apply=False``: only the check (nothing is set).
     """
-    kinds = [type(g).__qualname__ for g in generators]
+    kinds = [_kind(g) for g in generators]
     got = [s.get("kind") for s in saved] if isinstance(saved, list) else None
     if got != kinds:
         raise ValueError(
@@ -221,6 +231,7 @@ class RandomStates:
         self.states: list[list[Any]] = []
         self.after: list[Any] | None = None
         self._drawn: list[int] = []
+        self._held: list[Any] = []
         self._j = 0
 
     def _now(self) -> list[Any]:
@@ -264,18 +275,28 @@ class RandomStates:
         return after
 
     def replay_drawn(self, j: int) -> None:
-        """``window_stats``'s pass 2: set the sources ``stats`` drew from to where it started."""
+        """``window_stats``'s pass 2: set the sources ``stats`` drew from to where it started.
+
+        Their pass-2 states (where earlier losses left them) are kept, and put back by
+        ``check_drawn``: a loss that draws afresh from a source continues from there.
+        """
         before, after = self.states[j], self._post(j)
         self._drawn = [k for k, (a, b) in enumerate(zip(before, after)) if not _same(a, b)]
         self._j = j
-        self._set(before, self._drawn)
+        if self._drawn:
+            self._held = self._now()
+            self._set(before, self._drawn)
 
     def check_drawn(self, call: str) -> None:
-        """After micro-batch ``j``'s loss: each source ``stats`` drew from is where it left it."""
+        """After micro-batch ``j``'s loss: each source ``stats`` drew from is where it left it.
+
+        Then those sources go back to their pass-2 states (``replay_drawn``).
+        """
         if not self._drawn:
             return
         now, after = self._now(), self._post(self._j)
         off = [self._name(k) for k in self._drawn if not _same(now[k], after[k])]
+        self._set(self._held, self._drawn)
         if off:
             raise GradAccumError(
                 f"{call}: the loss of micro-batch {self._j} drew other random numbers than "
@@ -302,8 +323,9 @@ class ReplayCheck:
 
     Per micro-batch and floating leaf, on the device, in float64: the largest over the rows of
     ``|pass 2 - pass 1| / (|pass 1| + floor)`` (norms over each row), over the leaf's tolerance
-    (``TOLERANCE``). ``floor`` keeps rows near zero from dividing by zero: 1e-3 of the leaf's
-    mean row norm, plus the tolerance times the largest row norm of any leaf of the micro-batch
+    (``TOLERANCE``). ``floor`` keeps rows near zero from dividing by zero: the rounding of the
+    leaf's dtype at the scale of its mean row norm (``2 * eps / tolerance`` times it), or of the
+    largest row norm of any leaf of the micro-batch where the leaf is all zeros in pass 1
     (rounding in a leaf that is zero is relative to the magnitudes around it). Non-finite
     elements must be the same in both passes (else the row differs); they are left out of the
     norms, so a NaN in one row does not hide a difference in another. The host reads the scores
@@ -332,9 +354,9 @@ class ReplayCheck:
                 if now.shape != then.shape:  # another shape: another representation
                     pairs.append(None)
                     continue
-                rows = then.shape[0]
-                a = now.detach().reshape(rows, -1).to(f64)
-                b = then.reshape(rows, -1).to(f64)
+                rows, width = then.shape[0], math.prod(then.shape[1:])
+                a = now.detach().reshape(rows, width).to(f64)
+                b = then.reshape(rows, width).to(f64)
                 fa, fb = a.isfinite(), b.isfinite()
                 # Non-finite where the other is not, or another non-finite value: the row differs.
                 odd = (fa != fb) | (~fa & ~((a == b) | (a.isnan() & b.isnan())))
@@ -345,13 +367,17 @@ class ReplayCheck:
                 pairs.append((a, b, ref, odd.any(dim=1)))
             for pair, then in zip(pairs, self.cached[j]):
                 tol = tolerance(then.dtype)
+                noise = 2 * torch.finfo(then.dtype).eps / tol  # rounding, in units of the bound
                 if pair is None:
                     self.scores.append(torch.full((), float("inf"), dtype=f64, device=big.device))
                     continue
                 a, b, ref, odd = pair
                 if a.shape[0] == 0:
                     continue
-                floor = 1e-3 * ref.mean() + tol * big + torch.finfo(f64).tiny
+                # Rounding at the scale of the leaf's rows (of the micro-batch's largest row
+                # where the leaf is all zeros in pass 1): below it, no row counts as differing.
+                mean = ref.mean()
+                floor = noise * torch.where(mean > 0, mean, big) + torch.finfo(f64).tiny
                 worst = ((a - b).norm(dim=1) / (ref + floor)).masked_fill(odd, float("inf"))
                 self.scores.append(worst.max() / tol)  # on the device: no read here
         if j == len(self.cached) - 1 and self.scores:
