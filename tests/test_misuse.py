@@ -3022,6 +3022,141 @@ case(
     "window_stats(_positives, _scaled, n=2)(params, batch): called inside",
     item="35",
 )
+# Issue 35, section 3: randomness in the two-pass transforms, and complex leaves.
+
+
+def _masked_by(gen: torch.Generator) -> Callable[..., Any]:
+    def embed(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p["w"]) * (torch.rand(len(x), 1, generator=gen, dtype=F64) > 0.3)
+
+    return embed
+
+
+def _complex_beside_float(p: Any, x: torch.Tensor) -> Any:
+    z = x @ p["w"]
+    return {"f": z, "c": torch.complex(z, z)}
+
+
+def _complex_info(p: Any, reps: Any, rows: gradaccum.Rows) -> torch.Tensor:
+    return reps["f"].sum() + reps["c"].abs().sum()
+
+
+def _complex_stats(p: Any, batch: Any) -> Any:
+    return {"n": (batch[0] > 0).sum(), "c": torch.complex(batch[0].sum(), batch[0].sum())}
+
+
+def _router_stats(p: Any, batch: Any) -> torch.Tensor:
+    return (torch.nn.functional.dropout(batch[0], 0.5, training=True) > 0).sum()
+
+
+def _loss_draws_more(p: Any, batch: Any, count: torch.Tensor) -> torch.Tensor:
+    torch.nn.functional.dropout(batch[0], 0.5, training=True)  # the router's, replayed
+    out = torch.nn.functional.dropout(batch[0] @ p["w"], 0.5, training=True)  # one more
+    return out.pow(2).mean() / count
+
+
+case(
+    "coupled-generators-not-a-list",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_embed, _info, 2, generators=torch.Generator()),
+    TypeError,
+    "generators",
+    "wrap a single one in a list",
+    item="35",
+)
+case(
+    "coupled-generators-a-module",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_embed, _info, 2, generators=[np.random]),
+    TypeError,
+    "generators[0]",
+    "module numpy.random",
+    item="35",
+)
+case(
+    "coupled-generators-system-random",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(
+        _embed, _info, 2, generators=[__import__("random").SystemRandom()]
+    ),
+    TypeError,
+    "generators[0]",
+    "SystemRandom",
+    item="35",
+)
+case(
+    "coupled-generators-not-a-generator",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_embed, _info, 2, generators=[1]),
+    TypeError,
+    "generators[0]",
+    "got int",
+    item="35",
+)
+case(
+    "coupled-check_replay-not-a-bool",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_embed, _info, 2, check_replay="yes"),
+    TypeError,
+    "check_replay",
+    item="35",
+)
+case(
+    "loop-Coupled-generators-not-a-list",
+    coupled_inputs,
+    lambda ns: gradaccum.loop.Coupled(_embed, _info, generators=torch.Generator()),
+    TypeError,
+    "Coupled(embed, loss)",
+    "generators",
+    item="35",
+)
+case(
+    "window_stats-generators-a-string",
+    pb,
+    lambda ns: gradaccum.window_stats(_positives, _scaled, 2, generators="g"),
+    TypeError,
+    "generators",
+    "pass a list or tuple",
+    item="35",
+)
+case(
+    "coupled-replay-undeclared-generator",
+    lambda: {**coupled_inputs(), "gen": torch.Generator().manual_seed(0)},
+    lambda ns: gradaccum.coupled(_masked_by(ns["gen"]), _info, 2)(ns["params"], ns["x"]),
+    gradaccum.GradAccumError,
+    "did not reproduce pass 1's representations",
+    "generators=",
+    item="35",
+)
+case(
+    "coupled-complex-representation-beside-a-float-one",
+    coupled_inputs,
+    lambda ns: gradaccum.coupled(_complex_beside_float, _complex_info, 2)(ns["params"], ns["x"]),
+    TypeError,
+    "complex leaf ['c']",
+    "view_as_real",
+    item="35",
+)
+case(
+    "window_stats-complex-statistic",
+    pb,
+    lambda ns: gradaccum.window_stats(_complex_stats, _scaled, 2)(ns["params"], ns["batch"]),
+    TypeError,
+    "stats returned a complex leaf ['c']",
+    "view_as_real",
+    item="35",
+)
+case(
+    "window_stats-loss-draws-more-than-stats",
+    pb,
+    lambda ns: gradaccum.window_stats(_router_stats, _loss_draws_more, 2)(
+        ns["params"], ns["batch"]
+    ),
+    gradaccum.GradAccumError,
+    "drew other random numbers than stats did",
+    "torch's CPU generator",
+    item="35",
+)
 case(
     "accumulate-count-inside-accumulate-count",
     pb,

@@ -450,7 +450,7 @@ def _embed(p: Any, x: torch.Tensor) -> torch.Tensor:
     [
         ({"generators": torch.Generator()}, "generators must be a list of torch.Generator"),
         ({"generators": [1]}, r"generators\[0\] must be one of torch.Generator"),
-        ({"generators": [random]}, "replayed already; leave them out"),
+        ({"generators": [random]}, "replayed already; pass only explicit generator objects"),
         ({"generators": [np.random]}, "the module numpy.random"),
         ({"generators": [random.SystemRandom()]}, "has no state to replay"),
         ({"generators": "gen"}, "pass a list or tuple of them"),

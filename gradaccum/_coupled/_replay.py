@@ -66,8 +66,8 @@ def check_generators(where: str, generators: Any) -> tuple[Any, ...]:
         if g is random or (np is not None and g is np.random) or g is torch.random:
             raise TypeError(
                 f"{where}: generators[{k}] is the module {g.__name__}: Python's global random, "
-                f"NumPy's global generator and torch's are replayed already; leave them out "
-                f"(generators= is for explicit generator objects)."
+                f"NumPy's global generator and torch's are replayed already; pass only explicit "
+                f"generator objects in generators= (leave the modules out)."
             )
         if isinstance(g, random.SystemRandom):
             raise TypeError(
@@ -76,7 +76,8 @@ def check_generators(where: str, generators: Any) -> tuple[Any, ...]:
             )
         if not isinstance(g, (torch.Generator, random.Random, *_numpy_kinds())):
             raise TypeError(
-                f"{where}: generators[{k}] must be one of {GENERATORS}, got {describe(g)}."
+                f"{where}: generators[{k}] must be one of {GENERATORS}, got {describe(g)}; "
+                f"pass the generator objects the functions draw from."
             )
     return tuple(generators)
 
@@ -301,9 +302,9 @@ class RandomStates:
             raise GradAccumError(
                 f"{call}: the loss of micro-batch {self._j} drew other random numbers than "
                 f"stats did from {', '.join(off)} (stats drew some, the loss more or fewer), so "
-                f"its extra numbers would repeat those of another micro-batch. Draw the same "
-                f"numbers in both (run in stats the same forward, up to what it counts), or "
-                f"none in stats: a source stats does not draw from runs on through the loss."
+                f"its extra numbers would repeat those of another micro-batch; compute in stats "
+                f"the same forward that draws them (up to what it counts), or draw none in "
+                f"stats: a source stats does not draw from runs on through the loss."
             )
 
 
