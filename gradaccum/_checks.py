@@ -12,7 +12,7 @@ import torch
 
 from ._errors import describe
 
-__all__ = ["CHECKS", "Check", "check_options", "check_timeout", "positive"]
+__all__ = ["CHECKS", "Check", "check_bool", "check_options", "check_timeout", "positive"]
 
 Check = Literal["fingerprint", "full", "never"]
 CHECKS = ("fingerprint", "full", "never")
@@ -27,9 +27,16 @@ def check_options(where: str, check: object, timeout: object, overlap: object = 
             f"trees agree in every window), 'full' (a debug mode) or 'never'."
         )
     check_timeout(where, timeout)
-    if not isinstance(overlap, bool):
+    check_bool(where, "overlap", overlap)
+
+
+def check_bool(where: str, name: str, value: object) -> None:
+    """Validate a ``True``/``False`` keyword (a NumPy bool is named, not taken for one)."""
+    if not isinstance(value, bool):
+        kind = type(value)
         raise TypeError(
-            f"{where}: overlap must be a bool, got {describe(overlap)}; pass overlap=True or False."
+            f"{where}: {name} must be a bool, got {describe(value)} "
+            f"({kind.__module__}.{kind.__qualname__}); pass {name}=True or False."
         )
 
 

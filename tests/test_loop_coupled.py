@@ -393,11 +393,11 @@ def _failing_embed(at: int) -> Any:
     return fails_once
 
 
-def test_a_failed_coupled_window_is_dropped_whole_and_retried() -> None:
+def test_a_failed_coupled_window_is_dropped_whole_and_can_be_added_again() -> None:
     # Window 1 fails in pass 2, at its micro-batch 2 of 3 (call 3 + 3 + 2 of embed): the step
     # is left as before add_window (index, nothing counted, no .grad), the random state and
     # BatchNorm's buffers as pass 1 left them (as a plain loop whose forwards ran once); the
-    # retry of the same DataWindow is then exact.
+    # same DataWindow added again (the user's choice, Step.add_window's contract) is exact.
     data = _data(1)
     model = Encoder(0.3, True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -434,13 +434,13 @@ def test_a_failed_coupled_window_is_dropped_whole_and_retried() -> None:
     assert _compare((model, losses), (ref, ref_losses)) < TOL
 
 
-def test_a_failed_window_stats_window_is_dropped_whole_and_retried() -> None:
+def test_a_failed_window_stats_window_is_dropped_whole_and_can_be_added_again() -> None:
     # The loss fails at micro-batch 2 of 3 of window 1: nothing of the window is counted (not
-    # the first micro-batch, not the statistics), and the retry is exact.
+    # the first micro-batch, not the statistics), and the window added again is exact.
     data = _data(1)
     calls = [0]
 
-    def flaky(model: MoE, mb: dict[str, torch.Tensor], window: Any) -> torch.Tensor:
+    def fails_once(model: MoE, mb: dict[str, torch.Tensor], window: Any) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == 3 + 2:
             raise RuntimeError("loss failed once")
@@ -448,7 +448,7 @@ def test_a_failed_window_stats_window_is_dropped_whole_and_retried() -> None:
 
     model = MoE()
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    step = Step(model, WindowStats(moe_stats, flaky), opt, clip=0.5)
+    step = Step(model, WindowStats(moe_stats, fails_once), opt, clip=0.5)
     losses = []
     torch.manual_seed(9)
     for i, window in enumerate(data):
@@ -492,20 +492,20 @@ def _retry_on_ranks(rank: int, world: int, kind: str) -> tuple[list[str], float]
     data = _data(world)
     seen: list[str] = []
     if kind == "coupled":
-        flaky = _failing_embed(6 + 3 + 2) if rank == 1 else embed
+        failing = _failing_embed(6 + 3 + 2) if rank == 1 else embed
         model: nn.Module = Encoder()
-        loss: Any = Coupled(flaky, clip_loss)
+        loss: Any = Coupled(failing, clip_loss)
         lr, seed, clip = 0.5, 7, None
     else:
         calls = [0]
 
-        def flaky_loss(model: MoE, mb: dict[str, torch.Tensor], window: Any) -> torch.Tensor:
+        def failing_loss(model: MoE, mb: dict[str, torch.Tensor], window: Any) -> torch.Tensor:
             calls[0] += 1
             if rank == 1 and calls[0] == 3 + 2:
                 raise RuntimeError("loss failed once")
             return moe_loss(model, mb, window)
 
-        model, loss, lr, seed, clip = MoE(0.0), WindowStats(moe_stats, flaky_loss), 0.3, 9, 0.5
+        model, loss, lr, seed, clip = MoE(0.0), WindowStats(moe_stats, failing_loss), 0.3, 9, 0.5
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     step = Step(model, loss, opt, clip=clip, sync=gradaccum.all_reduce())
     losses = []

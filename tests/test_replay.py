@@ -226,6 +226,19 @@ def test_window_stats_routes_as_it_counted_with_python_random() -> None:
     assert random.getstate() == after
 
 
+def _kept_rows_reference(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Generator]:
+    """Plain PyTorch: one row mask per micro-batch from a generator at ``seed``, drawn once;
+    the gradient of the kept rows' squared outputs over the window's kept count; the generator
+    as one pass leaves it."""
+    ref = torch.Generator().manual_seed(seed)
+    keeps = [torch.rand(len(mb), generator=ref) > 0.5 for mb in x.chunk(N)]
+    count = sum(k.sum() for k in keeps)
+    w = _params()["w"].clone().requires_grad_()
+    whole = sum(((mb @ w).pow(2).sum(-1) * k).sum() for mb, k in zip(x.chunk(N), keeps)) / count
+    (want,) = torch.autograd.grad(whole, w)
+    return want, ref
+
+
 def test_window_stats_replays_a_declared_generator() -> None:
     g = torch.Generator().manual_seed(5)
 
@@ -237,12 +250,7 @@ def test_window_stats_replays_a_declared_generator() -> None:
         return ((x @ p["w"]).pow(2).sum(-1) * keep).sum() / count
 
     p, x = _params(), _batch()
-    ref = torch.Generator().manual_seed(5)
-    keeps = [torch.rand(len(mb), generator=ref) > 0.5 for mb in x.chunk(N)]
-    count = sum(k.sum() for k in keeps)
-    w = p["w"].clone().requires_grad_()
-    whole = sum(((mb @ w).pow(2).sum(-1) * k).sum() for mb, k in zip(x.chunk(N), keeps)) / count
-    (want,) = torch.autograd.grad(whole, w)
+    want, ref = _kept_rows_reference(x, seed=5)
     step = gradaccum.window_stats(stats, loss, N, reduction="sum", generators=[g])
     grads, _ = step(p, x)
     torch.testing.assert_close(grads["w"], want, rtol=1e-12, atol=1e-14)
@@ -421,12 +429,7 @@ def test_loop_window_stats_replays_a_declared_generator() -> None:
         return gradaccum.Sum(((x @ model.w).pow(2).sum(-1) * keep).sum() / count, len(x))
 
     x = _batch()
-    ref = torch.Generator().manual_seed(5)
-    keeps = [torch.rand(len(mb), generator=ref) > 0.5 for mb in x.chunk(N)]
-    count = sum(k.sum() for k in keeps)
-    w = _params()["w"].clone().requires_grad_()
-    whole = sum(((mb @ w).pow(2).sum(-1) * k).sum() for mb, k in zip(x.chunk(N), keeps)) / count
-    (want,) = torch.autograd.grad(whole, w)
+    want, _ = _kept_rows_reference(x, seed=5)
     model = _Encoder()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     step = Step(model, WindowStats(stats, loss, generators=[g]), opt)
@@ -455,7 +458,7 @@ def _embed(p: Any, x: torch.Tensor) -> torch.Tensor:
         ({"generators": [random.SystemRandom()]}, "has no state to replay"),
         ({"generators": "gen"}, "pass a list or tuple of them"),
         ({"generators": (g for g in [torch.Generator()])}, "pass a list or tuple of them"),
-        ({"check_replay": 1}, "check_replay must be True or False, got int"),
+        ({"check_replay": 1}, "check_replay must be a bool, got int"),
         ({"check_replay": np.bool_(True)}, r"numpy\.bool"),
     ],
 )

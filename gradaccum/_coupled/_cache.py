@@ -21,13 +21,14 @@ import torch
 
 from .. import _split, _tree
 from .._autograd import check_no_transform, grad, grad_on
+from .._checks import check_bool
 from .._core.accumulate import accumulate_as
 from .._core.engine import check_nesting
 from .._core.protocol import LOCAL, Sync, check_sync
 from .._errors import describe
 from .._layout import check_n
 from ._exchange import Rows
-from ._replay import RandomStates, check_flag, check_generators, reraise
+from ._replay import RandomStates, check_generators, reraise
 from ._window import cache, name_of, open_call, second_pass
 
 __all__ = ["coupled"]
@@ -178,7 +179,7 @@ def coupled(
     check_n(where, n)
     check_sync(where, sync)
     gens = check_generators(where, generators)
-    check_flag(where, "check_replay", check_replay)
+    check_bool(where, "check_replay", check_replay)
     kind = sync if sync is not None else LOCAL
     ctx = _Pass2(embed, check_replay)
     call = f"{where}(params, batch)"

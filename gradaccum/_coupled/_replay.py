@@ -29,7 +29,6 @@ __all__ = [
     "KeptBuffers",
     "RandomStates",
     "ReplayCheck",
-    "check_flag",
     "check_generators",
     "load_states",
     "reraise",
@@ -80,15 +79,6 @@ def check_generators(where: str, generators: Any) -> tuple[Any, ...]:
                 f"pass the generator objects the functions draw from."
             )
     return tuple(generators)
-
-
-def check_flag(where: str, name: str, value: Any) -> None:
-    """A ``True``/``False`` keyword, checked."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{where}: {name} must be True or False, got {describe(value)} "
-            f"({type(value).__module__}.{type(value).__qualname__}); pass a Python bool."
-        )
 
 
 def _get(g: Any) -> Any:

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from .. import _tree
+from .._checks import check_bool
 from .._coupled._exchange import Exchange, Rows
-from .._coupled._replay import RandomStates, check_flag, check_generators, reraise
+from .._coupled._replay import RandomStates, check_generators, reraise
 from .._coupled._stats import collect
 from .._coupled._window import cache, second_pass
 from .._errors import describe
@@ -101,7 +102,7 @@ class Coupled:
         self.embed = embed
         self.loss = loss
         self.generators = check_generators("Coupled(embed, loss)", generators)
-        check_flag("Coupled(embed, loss)", "check_replay", check_replay)
+        check_bool("Coupled(embed, loss)", "check_replay", check_replay)
         self.check_replay = check_replay
 
     def __repr__(self) -> str:
