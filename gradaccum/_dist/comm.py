@@ -414,7 +414,7 @@ class Comm:
         epoch = f" of epoch {spec.epoch}" if spec.epoch else ""
         return (f"{WINDOW}{spec.index}{epoch}", *names, *spec.options, *desc)
 
-    def probe(self, desc: tuple[str, ...], device: torch.device) -> Probe | None:
+    def probe(self, desc: tuple[str, ...], device: torch.device, read: bool = True) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
 
         ``desc`` describes what the collectives depend on, one line per item; the window's index
@@ -426,6 +426,8 @@ class Comm:
         and its result comes back to pinned memory on a side stream that waits for the
         collective alone. Start it early (a window's first micro-batch, say), and ``agree``
         later reads it at the cost of the exchange, not of the compute queued in between.
+        ``read=False``: its result is never read on the host (a deferred window checks it on
+        the device), so nothing comes back.
         """
         if self.check == "never":
             return None
@@ -433,7 +435,7 @@ class Comm:
         h = digest(desc) >> 2  # fits in int64 with its negation
         tensor = to_device([h, -h], torch.int64, device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
-        if tensor.device.type != "cuda" or "nccl" not in str(dist.get_backend(self.group)):
+        if not read or tensor.device.type != "cuda" or "nccl" not in str(dist.get_backend(self.group)):
             return Probe(work, tensor, desc)
         # The result comes back on a side stream that waits for this collective alone (NCCL's
         # Work.wait makes the current stream wait, not the host), into pinned memory: agree()
@@ -460,14 +462,18 @@ class Comm:
         """
         if probe is None:
             return
+        if self.agrees(probe) and self.check != "full":
+            return
+        self.compare(probe.desc, subject)
+
+    def agrees(self, probe: Probe) -> bool:
+        """Wait for a fingerprint exchange; whether every rank sent the same fingerprint."""
         if probe.event is not None:  # NCCL: the side stream waited; wait for its copy, read it
             hi, neg_lo = self.fetch(probe.host, probe.event)  # type: ignore[arg-type]
         else:
             self.wait(probe.work, FINGERPRINT)
             hi, neg_lo = self.fetch(probe.tensor)
-        if hi == -neg_lo and self.check != "full":
-            return
-        self.compare(probe.desc, subject)
+        return bool(hi == -neg_lo)
 
     def compare(self, desc: tuple[str, ...], subject: str = "gradients to synchronise") -> None:
         """Gather every rank's ``desc``; if any differs, raise naming the first difference.

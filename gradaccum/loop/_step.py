@@ -359,6 +359,15 @@ class Step:
                 f"leave out sync= here (the step then takes data's)."
             )
         check_sync(where, sync)
+        if getattr(sync, "defer", False):
+            raise ValueError(
+                f"{where}: sync was made with defer=True, whose boundary is read by the next "
+                f"window; Step reads each boundary on the host (its stats, the LR scheduler, "
+                f"unused parameters) and does not skip a bad window on the device yet, so a "
+                f"window another rank failed would be applied here; pass "
+                f"gradaccum.all_reduce(...) without defer=True, or use accumulate / "
+                f"Accumulator with sync.guard(optimizer)."
+            )
         if sync is not None and sync.shards:
             raise ValueError(
                 f"{where}: sync is a reduce_scatter, whose boundary returns this rank's "

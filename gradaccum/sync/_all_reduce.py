@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from .. import _metrics, _tree
-from .._checks import Check, check_options, check_reduce_dtype, positive
+from .._checks import Check, check_bool, check_options, check_reduce_dtype, positive
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, group_device, leaf_order, make_plan
-from .._dist.comm import Probe, bucket_what, to_device
+from .._dist.comm import FINGERPRINT, Probe, bucket_what, first_diff, to_device
+from .._dist.deferred import Agreed, Deferred
 from .._dist.mesh import axis, check_group
-from .._errors import describe, is_mesh
+from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
@@ -37,7 +38,7 @@ class AllReduce(Sync):
         >>> import gradaccum
         >>> gradaccum.all_reduce(bucket_mb=50, timeout=120)  # doctest: +NORMALIZE_WHITESPACE
         AllReduce(group=None, bucket_mb=50.0, check='fingerprint', timeout=120.0, overlap=True,
-                  reduce_dtype=None)
+                  reduce_dtype=None, defer=False)
     """
 
     group: Any = None
@@ -46,6 +47,7 @@ class AllReduce(Sync):
     timeout: float | None = None
     overlap: bool = True
     reduce_dtype: torch.dtype | None = None
+    defer: bool = False
     _plans: dict[Any, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Layouts whose buckets are in the gradient-ready order the ranks agreed on.
     _ordered: set[Any] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -53,6 +55,8 @@ class AllReduce(Sync):
     _totals: dict[Any, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Flat buckets kept between windows, as DDP keeps its buckets (see BucketWindow.storage).
     _spare: dict[Any, Spare] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # defer=True: the flags, the last window's status on its way to the host, the agreed layout.
+    _deferred: Deferred = field(default_factory=Deferred, init=False, repr=False, compare=False)
 
     def plan(self, params: Any, *, accum_dtype: torch.dtype | None = None) -> tuple[Bucket, ...]:
         """The buckets the boundary would all-reduce for gradients shaped like ``params``.
@@ -79,6 +83,81 @@ class AllReduce(Sync):
         buckets = self._plan(make_layout(where, params, accum_dtype)).buckets
         dim = axis(where, self.group).dim if is_mesh(self.group) else None
         return tuple(replace(b, collectives=(("all_reduce", dim),)) for b in buckets)
+
+    def guard(self, optimizer: Any) -> None:
+        """Have ``optimizer`` skip, on the device, every window this sync finds bad.
+
+        With ``defer=True`` the boundary's checks (a rank failed, the ranks disagree, a mean with
+        nothing to divide by) are not read on the host: they set a flag on the device,
+        ``1.0`` for a window that must not be applied, the same on every rank. ``guard`` sets
+        it as the optimizer's ``found_inf``, which torch's fused optimizers honour as they do
+        ``GradScaler``'s: their ``step()`` then leaves the parameters, the moments and the
+        step count as they were. Call it once; the flag is updated in place at every boundary.
+
+        Args:
+            optimizer: A torch optimizer whose ``step()`` honours ``found_inf``: ``Adam``,
+                ``AdamW``, ``SGD`` or ``Adagrad`` built with ``fused=True``, its parameters on
+                one device.
+
+        Raises:
+            ValueError: The sync was made without ``defer=True``; the optimizer cannot skip on
+                the device (not fused), its parameters lie on several devices, or it has a
+                ``found_inf`` of another sync or of a loss scaler already.
+            TypeError: ``optimizer`` is not an optimizer.
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> w = torch.nn.Parameter(torch.zeros(3))
+            >>> opt = torch.optim.AdamW([w], fused=True)
+            >>> sync = gradaccum.all_reduce(defer=True)
+            >>> sync.guard(opt)
+            >>> opt.found_inf
+            tensor(0.)
+        """
+        where = "AllReduce.guard(optimizer)"
+        if not self.defer:
+            raise ValueError(
+                f"{where}: this sync reads each boundary on the host and raises there (defer="
+                f"False), so it has no flag to hand over; make it with "
+                f"gradaccum.all_reduce(..., defer=True) to skip bad windows on the device."
+            )
+        self._deferred.guard(where, optimizer)
+
+    def found_inf(self, device: Any = None) -> torch.Tensor:
+        """The window flag of ``device`` (default: the current CUDA device, else the CPU).
+
+        A 0-dim float32 tensor, ``1.0`` after a window that must not be applied and ``0.0``
+        otherwise, updated in place at every boundary (``defer=True``), the same on every rank:
+        use it for an optimizer of your own, e.g. ``torch.where(flag > 0, old, new)``.
+        [`guard()`][gradaccum.sync.AllReduce.guard] hands it to a fused torch optimizer.
+
+        Examples:
+            >>> import gradaccum
+            >>> gradaccum.all_reduce(defer=True).found_inf("cpu")
+            tensor(0.)
+        """
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return self._deferred.flag(torch.device(device))
+
+    def verify(self) -> None:
+        """Read the last window's deferred checks on the host; raise if it was bad.
+
+        With ``defer=True`` each window's checks are read by the next window, before its first
+        collective. The last window of a run has no next one: call ``verify()`` after it (and
+        before saving a checkpoint), on every rank; it raises as the next window would have.
+        Nothing to read (``defer=False``, or read already): it returns at once.
+
+        Raises:
+            GradAccumError: A rank failed in the last window, or the ranks' fingerprints
+                differ.
+            ValueError: The last window was a mean with nothing to divide by.
+
+        Examples:
+            >>> import gradaccum
+            >>> gradaccum.all_reduce(defer=True).verify()  # no window yet: nothing to read
+        """
+        self._deferred.settle("AllReduce.verify()")
 
     def _plan(self, lay: Any) -> Plan:
         """The plan for a gradient layout (cached)."""
@@ -122,10 +201,16 @@ class BucketWindow(Window):
         # which every rank has from the same all-reduce; finish() scales by hint / total, which
         # is 1 (no pass over the gradients) while the global batch keeps its size. Decided from
         # the spec alone, so an empty rank, whose fast path does not run, decides the same.
-        self.hinted = spec.fast and spec.reduction == "mean" and spec.layout.wide
+        # Deferred (defer=True), the total is not read on the host: the sums are divided by it
+        # on the device, and no rank has it as a hint.
+        self.defer = sync.defer
+        self.hinted = spec.fast and spec.reduction == "mean" and spec.layout.wide and not sync.defer
         if self.hinted:
             self.hint = sync._totals.get(spec.layout)
         self.probing = False  # the fingerprint exchange was started (_probe)
+        self.steady = False  # deferred: the layout is the one the ranks last agreed on
+        self.held: Probe | None = None  # deferred, steady: the fingerprint, checked on the device
+        self.joined = False  # the boundary was joined (or skipped on every rank): no abort
         self.opened = False
         self.sealed = False  # the tail holds the final weight and "no failure" (seal)
         self.bufs: list[torch.Tensor | None] = []
@@ -175,7 +260,7 @@ class BucketWindow(Window):
         backward at the cost of the exchange alone. An ``Accumulator`` opens a window per
         ``add``, so its fingerprint starts at the boundary.
         """
-        if self.spec.fast and not self.probing:
+        if self.spec.fast and not self.probing and not self.defer:
             self._probe()
 
     def _probe(self) -> None:
@@ -188,7 +273,12 @@ class BucketWindow(Window):
         if self.reorder:
             extra += ("the bucket order is agreed at this boundary",)
         desc = (*self.plan.description, f"reduction={self.spec.reduction!r}", *extra)
-        self.probe = self.comm.probe(desc, self.plan.buckets[0].device)
+        if self.defer:
+            agreed = self.sync._deferred.agreed
+            self.key = self.comm.lines(desc)[1:]  # less the window's index
+            self.steady = agreed is not None and agreed.key == self.key
+        # A steady deferred window never reads its fingerprint: it goes into the device's flag.
+        self.probe = self.comm.probe(desc, self.plan.buckets[0].device, read=not self.steady)
 
     def last(self) -> None:
         """Open the boundary: agree on the fingerprint; find the buckets the sums are views of.
@@ -199,10 +289,20 @@ class BucketWindow(Window):
         if self.opened:
             return
         self.opened = True
+        if self.defer:  # the last window's checks, read before this window's first collective
+            self.joined = True  # raised here, on every rank: no boundary to join
+            self.sync._deferred.settle(self.where)
+            self.joined = False
         if not self.probing:  # an Accumulator's window, or a call that never began
             self._probe()
         probe, self.probe = self.probe, None
-        self.comm.agree(probe)  # the ranks' buckets must agree before the first one starts
+        if self.steady:
+            self.held = probe  # sent; its result goes into the flag at the boundary
+        elif self.defer and self.sync._deferred.agreed is not None and probe is not None:
+            if not self.comm.agrees(probe):
+                self._refuse()
+        else:
+            self.comm.agree(probe)  # the ranks' buckets must agree before the first one starts
         if self.sums is None:  # an empty window still joins, with zero weight
             self.sums = self.storage(zero=True)
         plan, sums = self.plan, self.sums
@@ -217,6 +317,41 @@ class BucketWindow(Window):
             ]
         self.remaining = [len(m) for m in plan.members]
         self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
+        if self.defer and not self.steady and self.sync.check != "never":
+            self.sync._deferred.agreed = self._agreed()
+
+    def _agreed(self) -> Agreed:
+        """What this window sends, in launch order: the layout the ranks now agree on."""
+        named, extra = self.named, self.extra
+        sizes = tuple((b.numel + extra * b.tail, b.dtype, b.device) for b in named)
+        order = tuple(sizes[k] for k in self.order)
+        tail = self.order.index(self.tail_k)
+        return Agreed(self.key, order, (tail, order[tail][0] - TAIL - extra + 1))
+
+    def _refuse(self) -> None:
+        """Deferred: this rank's layout changed and the others disagree; fake the agreed one.
+
+        The others may be steady (they send the agreed buckets without reading): this rank
+        sends buckets of the agreed sizes, zeros with its failure flag set, so that every
+        collective matches, and raises. The others raise at their next window.
+        """
+        deferred, comm = self.sync._deferred, self.comm
+        agreed = deferred.agreed
+        assert agreed is not None
+        self.joined = True
+        deferred.fake(comm, "the boundary all_reduce (of the agreed buckets, zeros)")
+        device = agreed.sizes[agreed.flag_at[0]][2]
+        flag = torch.ones(TAIL, dtype=torch.float64, device=device)
+        deferred.record(self.where, str(self.spec.index), comm, flag, None, "sum", True)
+        mine, theirs = first_diff(self.key, agreed.key)
+        raise GradAccumError(
+            f"{self.where}: this rank's gradients changed from those the ranks last agreed on "
+            f"(it has {mine} where the agreed layout has {theirs}), and the other ranks' "
+            f"fingerprints differ from this rank's. Under defer=True the others do not read the "
+            f"fingerprint before sending, so this rank sent buckets of the agreed sizes, zeros "
+            f"with its failure flag, and raises; the others raise at their next window. Every "
+            f"rank must pass params of the same tree and options in each window."
+        )
 
     def seal(self, weight: Any) -> None:
         """The weight is final: fill the tail now, so that ``ready`` launches its bucket too.
@@ -280,6 +415,11 @@ class BucketWindow(Window):
             for k, buf in packed:
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
+            if self.defer:
+                total = self._decide(tail, failed)
+                if failed:
+                    return None
+                return self.normalised(total)
             total = self.comm.read(self.comm.fetch(tail), failed)
             if self.hinted and not failed:
                 # Reached on every rank or on none (settle raises where another rank failed).
@@ -287,6 +427,31 @@ class BucketWindow(Window):
             if self.reorder and not failed:
                 self._agree_order()
         return self.normalised(total)
+
+    def _decide(self, tail: torch.Tensor, failed: bool) -> torch.Tensor:
+        """Deferred: the window's checks into the device's flag, no host read; the divisor.
+
+        The fingerprint's result (sent, not read) joins the flag; the bucket order of a first
+        window is agreed on every rank, a failed one too, since the others do not know yet.
+        """
+        probe, self.held = self.held, None
+        if probe is not None:
+            self.comm.wait(probe.work, FINGERPRINT)
+        self.joined = True
+        where, spec = self.where, self.spec
+        label = f"{spec.index} of epoch {spec.epoch}" if spec.epoch else str(spec.index)
+        total, divisor = self.sync._deferred.record(
+            where, label, self.comm, tail, probe, spec.reduction, failed
+        )
+        self.totals = (total, tail[TAIL : TAIL + self.extra].clone())
+        if self.reorder:
+            self._agree_order()
+        return divisor
+
+    def abort(self, weight: Any) -> None:
+        """As ``Window.abort``, unless the boundary was joined, or skipped on every rank."""
+        if not self.joined:
+            super().abort(weight)
 
     def normalised(self, total: Any) -> Any:
         """As ``Window.normalised``; the sums in this window's own buckets are divided flat.
@@ -368,6 +533,7 @@ def all_reduce(
     timeout: float | None = None,
     overlap: bool = True,
     reduce_dtype: torch.dtype | None = None,
+    defer: bool = False,
 ) -> AllReduce:
     """Average (or sum) accumulated gradients over a process group, once per window.
 
@@ -422,6 +588,15 @@ def all_reduce(
             ``grad_reduce_in_fp32``). The window's weight, failure flag and metrics stay exact
             in a small bucket of their own (float64 or float32). Every rank must pass the same
             (the fingerprint covers it).
+        defer: ``False`` (default): the boundary reads its checks on the host (one read per
+            window) and raises there, on every rank. ``True``: no host read in a steady window.
+            The checks become a flag on the device, the same on every rank, that a fused
+            optimizer given it by [`guard()`][gradaccum.sync.AllReduce.guard] skips on; the
+            ranks raise [`GradAccumError`][gradaccum.GradAccumError] for a bad window at the
+            next window, before its first collective (the failing rank at once, and again
+            there), and [`verify()`][gradaccum.sync.AllReduce.verify] reads the last window
+            ([the deferred boundary](../sync.md#the-deferred-boundary)). Not with
+            ``check="full"``, which compares on the host every window.
 
     Returns:
         An [`AllReduce`][gradaccum.sync.AllReduce]; its
@@ -449,6 +624,13 @@ def all_reduce(
             f"pass e.g. bucket_mb=25 (DDP's default)."
         )
     check_options(where, check, timeout, overlap)
+    check_bool(where, "defer", defer)
+    if defer and check == "full":
+        raise ValueError(
+            f"{where}: check='full' compares every window's descriptions on the host, which "
+            f"defer=True exists to avoid; pass check='fingerprint' with defer=True (a mismatch "
+            f"still fails the window on every rank), or defer=False to have it named."
+        )
     check_reduce_dtype(where, reduce_dtype, "each bucket in its accumulation dtype, exact")
     check_group(where, group)
     axis(where, group)  # a mesh of more than one dim is refused here, not at the first window
@@ -459,4 +641,5 @@ def all_reduce(
         None if timeout is None else float(timeout),
         overlap,
         reduce_dtype,
+        bool(defer),
     )

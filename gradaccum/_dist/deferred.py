@@ -1,0 +1,235 @@
+"""The deferred boundary: a window's checks decided on the device, read by the next window.
+
+A sync made with ``defer=True`` does not read its boundary on the host. The checks it makes
+there (a rank failed, the ranks' fingerprints differ, a mean has nothing to divide by) become
+one flag on the device, the same bits on every rank since they come from reduced values:
+``1.0`` when the window must not be applied, ``0.0`` otherwise. A fused torch optimizer given
+that flag as its ``found_inf`` ([`guard()`][gradaccum.sync.AllReduce.guard]) skips the window
+on the device, as it skips a window of ``GradScaler``'s. A copy of the window's status goes to
+pinned memory; the next window reads it before its first collective (a read of an earlier
+window's work, by which time it is done) and raises there, on every rank, for a bad window;
+[`verify()`][gradaccum.sync.AllReduce.verify] reads the last one.
+
+The fingerprint stays a collective in every window, so every rank sends the same collectives.
+A rank whose own gradient layout is the one the ranks last agreed on does not read it: its
+buckets have the agreed sizes whatever the others do, and the fingerprint's result goes into
+the flag. A rank whose layout changed reads it before its first bucket (the read of a window
+that is not steady); if the others disagree, it sends buckets of the agreed sizes, zeros with
+its failure flag set, so that no rank waits in a collective that does not match (NCCL would
+hang), and raises.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from .._errors import GradAccumError, describe
+from .buckets import TAIL
+from .comm import Comm, Probe
+
+__all__ = ["Agreed", "Deferred", "supports_found_inf"]
+
+# The status a window leaves for the next one: [total weight, failed ranks, fingerprints
+# differ, non-finite], float64, on the device and then in pinned memory.
+STATUS = 4
+
+
+class Agreed(NamedTuple):
+    """The layout the ranks last agreed on: what a steady window sends, and how to fake it.
+
+    ``key`` is the description the fingerprint hashes, less the window's index; ``sizes`` the
+    elements, dtype and device of each collective in launch order; ``flag_at`` where the failure
+    flag lies in them (collective, element).
+    """
+
+    key: tuple[str, ...]
+    sizes: tuple[tuple[int, torch.dtype, torch.device], ...]
+    flag_at: tuple[int, int]
+
+
+class Pending(NamedTuple):
+    """A window's status, on its way to the host."""
+
+    where: str
+    window: str
+    host: torch.Tensor
+    event: Any
+    comm: Comm
+    own: bool  # this rank failed in that window (and raised then)
+    reduction: str
+
+
+def supports_found_inf(optimizer: object) -> bool:
+    """Whether ``optimizer.step()`` honours a ``found_inf`` tensor, as ``GradScaler`` checks."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class Deferred:
+    """The deferred-boundary state of one sync: its flags, the pending status, the agreed layout.
+
+    Attributes:
+        flags: One persistent 0-dim float32 flag per device (``found_inf``): updated in place at
+            every boundary, so an optimizer given it once sees each window's.
+        pending: The last window's status, not read yet.
+        agreed: The layout the ranks last agreed on (``None`` before the first agreement).
+        guarded: The optimizers handed a flag (``guard()``), held weakly.
+    """
+
+    def __init__(self) -> None:
+        self.flags: dict[torch.device, torch.Tensor] = {}
+        self.pending: Pending | None = None
+        self.agreed: Agreed | None = None
+        self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """The persistent flag of ``device`` (created at 0.0)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = self.flags.get(device)
+        if flag is None:
+            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return flag
+
+    def guard(self, where: str, optimizer: Any) -> None:
+        """Hand ``optimizer`` the flag of its parameters' device as its ``found_inf``."""
+        if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+            raise TypeError(
+                f"{where}: optimizer must be a torch.optim.Optimizer, got {describe(optimizer)}; "
+                f"pass the optimizer that steps on this sync's gradients."
+            )
+        if not supports_found_inf(optimizer):
+            raise ValueError(
+                f"{where}: {type(optimizer).__name__} cannot skip a step on the device (its "
+                f"step() does not honour found_inf, as GradScaler checks with "
+                f"_step_supports_amp_scaling), so a bad window would be applied before any rank "
+                f"could know; build it with fused=True (Adam, AdamW, SGD and Adagrad have it), "
+                f"or use all_reduce(defer=False), which reads each boundary on the host."
+            )
+        devices = {p.device for g in optimizer.param_groups for p in g["params"]}
+        if len(devices) != 1:
+            got = sorted(str(d) for d in devices) or "no parameters"
+            raise ValueError(
+                f"{where}: the optimizer's parameters must lie on one device, got {got}; guard "
+                f"an optimizer per device."
+            )
+        found = getattr(optimizer, "found_inf", None)
+        flag = self.flag(devices.pop())
+        if found is not None and found is not flag:
+            raise ValueError(
+                f"{where}: the optimizer already has a found_inf of its own (another sync's, or "
+                f"a loss scaler's), so it would skip on that one alone; guard each optimizer "
+                f"with one deferred sync, and do not use torch.amp.GradScaler with it (it sets "
+                f"and deletes found_inf at every step): gradaccum.LossScale works with it."
+            )
+        optimizer.found_inf = flag
+        self.guarded.add(optimizer)
+
+    def record(
+        self,
+        where: str,
+        window: str,
+        comm: Comm,
+        tail: torch.Tensor,
+        probe: Probe | None,
+        reduction: str,
+        own: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decide the window on the device from its reduced ``tail`` (``[weight, failed]``).
+
+        Sets the device's flag and sends the status towards pinned memory for the next window.
+        Returns the total weight and the divisor, 0-dim tensors in the tail's dtype (the divisor
+        is 1 where there is nothing to divide by). No host read.
+        """
+        with torch.no_grad():
+            head = tail[:TAIL].to(torch.float64)
+            total, failed = head[0], head[1]
+            if probe is not None:
+                differ = (probe.tensor[0] + probe.tensor[1] != 0).to(torch.float64)
+            else:
+                differ = torch.zeros((), dtype=torch.float64, device=tail.device)
+            status = torch.stack([total, failed, differ, torch.zeros_like(total)])
+            bad = (failed > 0) | (differ > 0)
+            if reduction != "sum":
+                bad = bad | ~(total > 0)
+            self.flag(tail.device).copy_(bad)
+            divisor = total if reduction == "sum" else torch.where(total > 0, total, 1.0)
+            if tail.device.type == "cuda":
+                host = torch.empty(STATUS, dtype=torch.float64, pin_memory=True)
+                host.copy_(status, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            else:
+                host, event = status, None
+        self.pending = Pending(where, window, host, event, comm, own, reduction)
+        return total.to(tail.dtype), divisor.to(tail.dtype)
+
+    def settle(self, where: str) -> None:
+        """Read the last window's status (an earlier window's work); raise if it was bad.
+
+        Every rank reads the same reduced bits, so every rank raises here, or none does.
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        comm = pending.comm
+        comm.where = where
+        total, failed, differ, _ = comm.fetch(pending.host, pending.event)
+        w = pending.window
+        skipped = self._skipped()
+        if pending.own:
+            raise GradAccumError(
+                f"{where}: window {w} failed on this rank (its error was raised then). Under "
+                f"defer=True the other ranks learn it here, before this window's first "
+                f"collective, and every rank raises at this point, so that the ranks stay in "
+                f"step; this window's micro-batches were not sent. {skipped}"
+            )
+        if failed:
+            raise GradAccumError(
+                f"{where}: {int(failed)} other rank(s) of the {comm.world} raised an error in "
+                f"window {w} (this rank did not). Under defer=True that is read here, before "
+                f"this window's first collective, on every rank; this window's micro-batches "
+                f"were not sent. {skipped} The cause is in the failing rank's traceback."
+            )
+        if differ:
+            raise GradAccumError(
+                f"{where}: the ranks' fingerprints of window {w} differ: they disagree on the "
+                f"gradient tree, the reduction or the sync options, or they are at different "
+                f"windows. {skipped} Every rank must pass params of the same tree and the same "
+                f"options, and call as many windows; to have the difference named, run with "
+                f"all_reduce(defer=False), whose boundary compares the descriptions."
+            )
+        if pending.reduction != "sum" and not total > 0:
+            noun = "counts" if pending.reduction == "count" else "rows"
+            raise ValueError(
+                f"{where}: the {noun} of window {w} add up to {total:g} over all {comm.world} "
+                f"ranks, so there was no mean to divide by. {skipped} Skip windows with no "
+                f"items on any rank (e.g. all padding), or use reduction='sum'."
+            )
+
+    def _skipped(self) -> str:
+        if len(self.guarded):
+            return (
+                "That window's update was skipped on the device (found_inf) by the optimizer "
+                "given the flag (guard)."
+            )
+        return (
+            "No optimizer was given the window's flag (sync.guard(optimizer)), so if one "
+            "stepped on that window's gradients, its update was applied."
+        )
+
+    def fake(self, comm: Comm, what: str) -> None:
+        """Send the agreed collectives, zeros with the failure flag set, and wait for them."""
+        agreed = self.agreed
+        assert agreed is not None
+        works = []
+        for k, (numel, dtype, device) in enumerate(agreed.sizes):
+            buf = torch.zeros(numel, dtype=dtype, device=device)
+            if k == agreed.flag_at[0]:
+                buf[agreed.flag_at[1] : agreed.flag_at[1] + 1].fill_(1.0)
+            works.append((buf, comm.all_reduce(buf, what, "gradients")))
+        for _, work in works:
+            comm.wait(work, what)
