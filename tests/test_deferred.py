@@ -264,7 +264,8 @@ def test_a_rank_whose_tree_changed_sends_the_agreed_buckets_and_every_rank_raise
     assert "1 other rank(s) of the 2 raised an error in window 2" in log0[3][2], log0[3]
     assert sizes0 == sizes1, "the ranks' collectives differ: NCCL would hang"
     for snaps in (snaps0, snaps1):
-        assert _same(snaps[2], snaps[1]) and _same(snaps[3], snaps[1])
+        assert _same(snaps[2], snaps[1])
+        assert _same(snaps[3], snaps[1])
         assert not _same(snaps[4], snaps[3]), "the run goes on after the error"
     assert _same(snaps0[4], snaps1[4])
 
@@ -284,7 +285,7 @@ def _windows(rank: int, world: int) -> Any:
         x, y = _batch(w, rank)
         with record_collectives() as sent:
             try:
-                for xs, ys in zip(x.chunk(N), y.chunk(N)):
+                for xs in x.chunk(N):
                     grads = {k: torch.ones_like(v) * len(xs) for k, v in params.items()}
                     state = acc.add(state, grads, size=len(xs))
                 _, state = acc.finalize(state)
@@ -363,7 +364,8 @@ def test_an_empty_window_and_the_accumulator() -> None:
     for rank, (log, snaps, alog) in enumerate(values(run(_empty_and_accumulator))):
         assert [e[1] for e in log] == ["ok", "ok", "ValueError", "ok"], log
         assert "rows of window 1 add up to 0" in log[2][2], log[2]
-        assert _same(snaps[1], snaps[0]) and _same(snaps[2], snaps[0])
+        assert _same(snaps[1], snaps[0])
+        assert _same(snaps[2], snaps[0])
         assert not _same(snaps[3], snaps[2])
         if rank == 1:
             assert [e[1] for e in alog] == ["RuntimeError", "GradAccumError", "ok"], alog
@@ -393,7 +395,7 @@ def test_misuse_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="found_inf of its own"):
         gradaccum.all_reduce(defer=True).guard(opt)
     sync = gradaccum.all_reduce(defer=True)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="defer=True"):
-        model = torch.nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gradaccum.loop.Step(model, lambda m, b: m(b).mean(), opt, sync=sync)

@@ -42,9 +42,15 @@ class Read:
     """One counted host read: what, where (the innermost gradaccum frame), and when."""
 
     def __init__(
-        self, what: str, forwards: int, stepped: bool, stack: list[traceback.FrameSummary]
+        self,
+        what: str,
+        forwards: int,
+        stepped: bool,
+        stack: list[traceback.FrameSummary],
+        tensor: Any = None,
     ) -> None:
         self.what, self.forwards, self.stepped = what, forwards, stepped
+        self.tensor = tensor  # the tensor read (a read of a tensor's own method), or None
         mine = [f for f in stack if "gradaccum" in f.filename and "tests" not in f.filename]
         frame = (mine or stack)[-1]
         self.where = f"{frame.filename.rsplit('gradaccum', 1)[-1]}:{frame.lineno} {frame.name}"
@@ -79,7 +85,7 @@ class HostReads:
             self._saved[name] = original
 
             def read(t: Any, *a: Any, _name: str = name, _f: Any = original, **k: Any) -> Any:
-                self._note(_name)
+                self._note(_name, t)
                 return _f(t, *a, **k)
 
             setattr(torch.Tensor, name, read)
@@ -113,8 +119,9 @@ class HostReads:
                 setattr(torch.Tensor, name, original)
         self._saved.clear()
 
-    def _note(self, what: str) -> None:
-        self.reads.append(Read(what, self.forwards, self.stepped, traceback.extract_stack()[:-2]))
+    def _note(self, what: str, tensor: Any = None) -> None:
+        stack = traceback.extract_stack()[:-2]
+        self.reads.append(Read(what, self.forwards, self.stepped, stack, tensor))
 
     def take(self) -> list[Read]:
         """The reads so far, cleared (the forwards and the optimizer's step too)."""
@@ -288,3 +295,63 @@ def test_loop_step(world: None, counter: HostReads, clip: float | None) -> None:
         check_window([r for r in reads if not r.stepped], 0, f"window {window}: Step.apply()")
         assert isinstance(stats.grad_norm, float)
         assert stats.grad_norm > 0
+
+
+def earlier(reads: list[Read], before: Any) -> tuple[list[Read], list[Read]]:
+    """The reads of ``before`` (the status an earlier window left), and the others."""
+    if before is None:
+        return [], reads
+    old = [r for r in reads if r.tensor is before.host]
+    return old, [r for r in reads if r.tensor is not before.host]
+
+
+@pytest.mark.parametrize("n", [1, N])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["no-timeout", "timeout"])
+def test_deferred_all_reduce_reads_nothing_of_its_own_window(
+    world: None, counter: HostReads, n: int, overlap: bool, timeout: float | None
+) -> None:
+    """``defer=True``: 0 reads of the window's own values once the layout is steady.
+
+    The first window agrees on the layout (its fingerprint is read) and records the bucket
+    order; the second, in the new order, agrees again; from the third on, the only read is
+    the status the previous window left (told apart by identity: the test holds it from before
+    the window starts), and it is read before the window's first collective.
+    """
+    params, batch = mlp()
+    sync = gradaccum.all_reduce(bucket_mb=0.0001, overlap=overlap, timeout=timeout, defer=True)
+    step = gradaccum.accumulate(gradaccum.grad_and_value(counted(counter)), n, sync=sync)
+    for window in range(WINDOWS + 2):
+        before = sync._deferred.pending
+        step(params, batch)
+        old, own = earlier(counter.take(), before)
+        check_window(old + own, n, f"window {window}")
+        if window >= 2:
+            assert not own, f"window {window}: reads of its own values: {own}"
+            assert len(old) == 1, f"window {window}: {old}"
+            assert old[0].forwards == n, f"window {window}: {old}"
+    sync.verify()
+    assert len(counter.take()) == 1  # the last window's status, read by verify()
+
+
+@pytest.mark.parametrize("metrics", ["none", "tensors"])
+def test_deferred_accumulator_reads_nothing_of_its_own_window(
+    world: None, counter: HostReads, metrics: str
+) -> None:
+    params, (x, y) = mlp()
+    sync = gradaccum.all_reduce(bucket_mb=0.0001, defer=True)
+    acc = gradaccum.Accumulator(n=N, sync=sync)
+    micro = list(zip(x.chunk(N), y.chunk(N)))
+    values = [torch.func.grad_and_value(mlp_loss)(params, mb) for mb in micro]
+    state = acc.init(params)
+    counter.take()
+    for window in range(WINDOWS + 1):
+        before = sync._deferred.pending
+        for g, loss in values:
+            extra = {"metrics": {"loss": loss.detach()}} if metrics == "tensors" else {}
+            state = acc.add(state, g, size=len(x) // N, **extra)
+        _, state = acc.finalize(state)
+        old, own = earlier(counter.take(), before)
+        if window >= 1:
+            assert not own, f"window {window}: reads of its own values: {own}"
+            assert len(old) == 1, f"window {window}: {old}"

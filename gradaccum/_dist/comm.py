@@ -435,7 +435,8 @@ class Comm:
         h = digest(desc) >> 2  # fits in int64 with its negation
         tensor = to_device([h, -h], torch.int64, device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
-        if not read or tensor.device.type != "cuda" or "nccl" not in str(dist.get_backend(self.group)):
+        nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
+        if not read or not nccl:
             return Probe(work, tensor, desc)
         # The result comes back on a side stream that waits for this collective alone (NCCL's
         # Work.wait makes the current stream wait, not the host), into pinned memory: agree()

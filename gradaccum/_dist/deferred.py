@@ -87,7 +87,7 @@ class Deferred:
     def flag(self, device: torch.device) -> torch.Tensor:
         """The persistent flag of ``device`` (created at 0.0)."""
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
+        if str(device) == "cuda":  # no index: the current device's
             device = torch.device("cuda", torch.cuda.current_device())
         flag = self.flags.get(device)
         if flag is None:
@@ -123,7 +123,7 @@ class Deferred:
                 f"{where}: the optimizer already has a found_inf of its own (another sync's, or "
                 f"a loss scaler's), so it would skip on that one alone; guard each optimizer "
                 f"with one deferred sync, and do not use torch.amp.GradScaler with it (it sets "
-                f"and deletes found_inf at every step): gradaccum.LossScale works with it."
+                f"and deletes found_inf at every step)."
             )
         optimizer.found_inf = flag
         self.guarded.add(optimizer)

@@ -416,10 +416,8 @@ class BucketWindow(Window):
                 for i, off in zip(plan.members[k], plan.offsets[k]):
                     sums[i].copy_(buf[off : off + sums[i].numel()].view_as(sums[i]))
             if self.defer:
-                total = self._decide(tail, failed)
-                if failed:
-                    return None
-                return self.normalised(total)
+                divisor = self._decide(tail, failed)
+                return None if failed else self.normalised(divisor)
             total = self.comm.read(self.comm.fetch(tail), failed)
             if self.hinted and not failed:
                 # Reached on every rank or on none (settle raises where another rank failed).
@@ -443,7 +441,7 @@ class BucketWindow(Window):
         total, divisor = self.sync._deferred.record(
             where, label, self.comm, tail, probe, spec.reduction, failed
         )
-        self.totals = (total, tail[TAIL : TAIL + self.extra].clone())
+        self.totals = (total, [tail[TAIL : TAIL + self.extra].clone()])
         if self.reorder:
             self._agree_order()
         return divisor
