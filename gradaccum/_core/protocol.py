@@ -434,6 +434,9 @@ class Sync:
         shards: Whether the boundary returns this rank's gradient shards (a tuple) rather than
             the gradient tree (``ReduceScatter``): ``loop.Step`` cannot write those into
             ``.grad``.
+        defer: Whether the boundary's checks are deferred to a device flag and read by the next
+            window (``all_reduce(defer=True)``, [The deferred
+            boundary](../sync.md#the-deferred-boundary)); ``False``: read at the boundary.
 
     Examples:
         A sync that sums every rank's share with one plain all-reduce per leaf (``reduce`` is the
@@ -461,6 +464,7 @@ class Sync:
     timeout: float | None = None
     check: str = "fingerprint"
     shards = False
+    defer = False
     _kept_state: Any = None  # what state returns (load_state sets it)
 
     def open(self, spec: WindowSpec) -> Window:

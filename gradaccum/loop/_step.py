@@ -359,7 +359,7 @@ class Step:
                 f"leave out sync= here (the step then takes data's)."
             )
         check_sync(where, sync)
-        if getattr(sync, "defer", False):
+        if sync is not None and sync.defer:
             raise ValueError(
                 f"{where}: sync was made with defer=True, whose boundary is read by the next "
                 f"window; Step reads each boundary on the host (its stats, the LR scheduler, "

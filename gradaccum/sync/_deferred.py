@@ -1,0 +1,100 @@
+"""The public side of a deferred boundary: what a sync made with ``defer=True`` offers its user.
+
+A mixin for the syncs whose windows defer their checks (``_dist/deferred.py`` holds the state
+and the mechanism): [`guard()`][gradaccum.sync.AllReduce.guard] hands the window flag to a fused
+optimizer, [`found_inf()`][gradaccum.sync.AllReduce.found_inf] returns it, and
+[`verify()`][gradaccum.sync.AllReduce.verify] reads the last window's checks. The sync supplies
+``defer`` and ``_deferred`` (a `Deferred`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._dist.deferred import Deferred
+
+__all__ = ["Deferring"]
+
+
+class Deferring:
+    """``guard``, ``found_inf`` and ``verify`` for a sync with ``defer`` and ``_deferred``."""
+
+    defer: bool
+    _deferred: Deferred
+
+    def guard(self, optimizer: Any) -> None:
+        """Have ``optimizer`` skip, on the device, every window this sync finds bad.
+
+        With ``defer=True`` the boundary's checks (a rank failed, the ranks disagree, a mean with
+        nothing to divide by) are not read on the host: they set a flag on the device,
+        ``1.0`` for a window that must not be applied, the same on every rank. ``guard`` sets
+        it as the optimizer's ``found_inf``, which torch's fused optimizers honour as they do
+        ``GradScaler``'s: their ``step()`` then leaves the parameters, the moments and the
+        step count as they were. Call it once; the flag is updated in place at every boundary.
+
+        Args:
+            optimizer: A torch optimizer whose ``step()`` honours ``found_inf``: ``Adam``,
+                ``AdamW``, ``SGD`` or ``Adagrad`` built with ``fused=True``, its parameters on
+                one device.
+
+        Raises:
+            ValueError: The sync was made without ``defer=True``; the optimizer cannot skip on
+                the device (not fused), its parameters lie on several devices, or it has a
+                ``found_inf`` of another sync or of a loss scaler already.
+            TypeError: ``optimizer`` is not an optimizer.
+
+        Examples:
+            >>> import torch, gradaccum
+            >>> w = torch.nn.Parameter(torch.zeros(3))
+            >>> opt = torch.optim.AdamW([w], fused=True)
+            >>> sync = gradaccum.all_reduce(defer=True)
+            >>> sync.guard(opt)
+            >>> opt.found_inf
+            tensor(0.)
+        """
+        where = f"{type(self).__name__}.guard(optimizer)"
+        if not self.defer:
+            raise ValueError(
+                f"{where}: this sync reads each boundary on the host and raises there (defer="
+                f"False), so it has no flag to hand over; make it with "
+                f"gradaccum.all_reduce(..., defer=True) to skip bad windows on the device."
+            )
+        self._deferred.guard(where, optimizer)
+
+    def found_inf(self, device: Any = None) -> torch.Tensor:
+        """The window flag of ``device`` (default: the current CUDA device, else the CPU).
+
+        A 0-dim float32 tensor, ``1.0`` after a window that must not be applied and ``0.0``
+        otherwise, updated in place at every boundary (``defer=True``), the same on every rank:
+        use it for an optimizer of your own, e.g. ``torch.where(flag > 0, old, new)``.
+        [`guard()`][gradaccum.sync.AllReduce.guard] hands it to a fused torch optimizer.
+
+        Examples:
+            >>> import gradaccum
+            >>> gradaccum.all_reduce(defer=True).found_inf("cpu")
+            tensor(0.)
+        """
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return self._deferred.flag(torch.device(device))
+
+    def verify(self) -> None:
+        """Read the last window's deferred checks on the host; raise if it was bad.
+
+        With ``defer=True`` each window's checks are read by the next window, before its first
+        collective. The last window of a run has no next one: call ``verify()`` after it (and
+        before saving a checkpoint), on every rank; it raises as the next window would have.
+        Nothing to read (``defer=False``, or read already): it returns at once.
+
+        Raises:
+            GradAccumError: A rank failed in the last window, or the ranks' fingerprints
+                differ.
+            ValueError: The last window was a mean with nothing to divide by.
+
+        Examples:
+            >>> import gradaccum
+            >>> gradaccum.all_reduce(defer=True).verify()  # no window yet: nothing to read
+        """
+        self._deferred.settle(f"{type(self).__name__}.verify()")
