@@ -52,9 +52,11 @@ VARIANTS = [
     "hand+found_inf",  # + a non-finite flag, max-reduced, handed to the fused step: no host read
     "accumulate-none",  # accumulate(grad(loss), n, sync=None) + write_grads
     "accumulate-all_reduce",  # accumulate(..., sync=all_reduce())
+    "accumulate-all_reduce-defer",  # accumulate(..., sync=all_reduce(defer=True)), guard(opt)
     "accumulate-reduce_scatter",  # accumulate over shard(params), reduce_scatter()
     "accumulator-none",  # Accumulator(n, sync=None): add x n, finalize
     "accumulator-all_reduce",  # Accumulator(n, sync=all_reduce())
+    "accumulator-all_reduce-defer",  # Accumulator(n, sync=all_reduce(defer=True)), guard(opt)
     "step-none",  # loop.Step(model, loss, opt, sync=None): add x n, apply
     "step-all_reduce",  # loop.Step(..., sync=all_reduce())
 ]
@@ -137,7 +139,7 @@ def make_window(
         return hand
 
     if name.startswith("accumulate-") and name != "accumulate-reduce_scatter":
-        sync = gradaccum.all_reduce() if name.endswith("all_reduce") else None
+        sync = made_sync(name, opt)
         params = gradaccum.params_of(model)
         step = gradaccum.accumulate(gradaccum.grad(floss), n, sync=sync)
 
@@ -146,6 +148,7 @@ def make_window(
             gradaccum.write_grads(model, grads)
             opt.step()
 
+        acc.sync = sync  # type: ignore[attr-defined]
         return acc
 
     if name == "accumulate-reduce_scatter":
@@ -169,7 +172,7 @@ def make_window(
         return scatter
 
     if name.startswith("accumulator-"):
-        sync = gradaccum.all_reduce() if name.endswith("all_reduce") else None
+        sync = made_sync(name, opt)
         params = gradaccum.params_of(model)
         accumulator = gradaccum.Accumulator(n=n, sync=sync)
         g = torch.func.grad(floss)
@@ -182,6 +185,7 @@ def make_window(
             gradaccum.write_grads(model, grads)
             opt.step()
 
+        accum.sync = sync  # type: ignore[attr-defined]
         return accum
 
     if name.startswith("step-"):
@@ -200,6 +204,22 @@ def make_window(
         return step_window
 
     raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
+
+
+def made_sync(name: str, opt: torch.optim.Optimizer) -> Any:
+    """The variant's sync: none, ``all_reduce()``, or ``all_reduce(defer=True)`` guarding ``opt``."""
+    if name.endswith("-defer"):
+        sync = gradaccum.all_reduce(defer=True)
+        sync.guard(opt)  # the fused step skips a bad window on the device
+        return sync
+    return gradaccum.all_reduce() if name.endswith("all_reduce") else None
+
+
+def verify(window: Any) -> None:
+    """A deferred sync's last window read on the host (before a capture, after a replay)."""
+    made = getattr(window, "sync", None)
+    if made is not None and made.defer:
+        made.verify()
 
 
 def state(window: Any, model: TinyLM) -> list[torch.Tensor]:
@@ -262,6 +282,7 @@ def run_child(name: str) -> dict[str, Any]:
                 static[0].copy_(xb)
                 static[1].copy_(yb)
                 window()
+            verify(window)
             out["capture"] = "skipped (CPU)"
         else:
             side = torch.cuda.Stream()
@@ -272,6 +293,7 @@ def run_child(name: str) -> dict[str, Any]:
                     static[1].copy_(yb)
                     window()
             torch.cuda.current_stream().wait_stream(side)
+            verify(window)  # a deferred sync: its last warm-up window's checks, read now
             graph = torch.cuda.CUDAGraph()
             static[0].copy_(data[C.warmup][0])
             static[1].copy_(data[C.warmup][1])
@@ -294,6 +316,7 @@ def run_child(name: str) -> dict[str, Any]:
                 static[0].copy_(xb)
                 static[1].copy_(yb)
                 replay_ms.append(timed(graph.replay))
+                verify(window)  # each replay's checks (a deferred sync), after it
             out["replay_ms"] = round(statistics.median(replay_ms), 3)
             if name == "hand+found_inf":  # a poisoned window, replayed: skipped on the device
                 before = [t.detach().clone() for t in state(window, model)]

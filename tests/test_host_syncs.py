@@ -51,6 +51,7 @@ class Read:
     ) -> None:
         self.what, self.forwards, self.stepped = what, forwards, stepped
         self.tensor = tensor  # the tensor read (a read of a tensor's own method), or None
+        self.sent = -1  # collectives the test had seen sent when it happened (HostReads.log)
         mine = [f for f in stack if "gradaccum" in f.filename and "tests" not in f.filename]
         frame = (mine or stack)[-1]
         self.where = f"{frame.filename.rsplit('gradaccum', 1)[-1]}:{frame.lineno} {frame.name}"
@@ -77,6 +78,7 @@ class HostReads:
         self.reads: list[Read] = []
         self.forwards = 0
         self.stepped = False  # the optimizer's step was called (test_loop_step)
+        self.log: list[Any] | None = None  # a record_collectives() log: reads note its length
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> HostReads:
@@ -121,7 +123,10 @@ class HostReads:
 
     def _note(self, what: str, tensor: Any = None) -> None:
         stack = traceback.extract_stack()[:-2]
-        self.reads.append(Read(what, self.forwards, self.stepped, stack, tensor))
+        read = Read(what, self.forwards, self.stepped, stack, tensor)
+        if self.log is not None:
+            read.sent = len(self.log)
+        self.reads.append(read)
 
     def take(self) -> list[Read]:
         """The reads so far, cleared (the forwards and the optimizer's step too)."""
@@ -298,11 +303,16 @@ def test_loop_step(world: None, counter: HostReads, clip: float | None) -> None:
 
 
 def earlier(reads: list[Read], before: Any) -> tuple[list[Read], list[Read]]:
-    """The reads of ``before`` (the status an earlier window left), and the others."""
+    """The reads of ``before``, the status an earlier window left, and the others.
+
+    The status lives in the same buffer in every window, so identity is not enough: a read of
+    it counts as the earlier window's only when no collective of this window was sent yet
+    (``Read.sent``: the window writes its own status after its last collective).
+    """
     if before is None:
         return [], reads
-    old = [r for r in reads if r.tensor is before.host]
-    return old, [r for r in reads if r.tensor is not before.host]
+    old = [r for r in reads if r.tensor is before.host and r.sent == 0]
+    return old, [r for r in reads if r not in old]
 
 
 @pytest.mark.parametrize("n", [1, N])
@@ -323,7 +333,8 @@ def test_deferred_all_reduce_reads_nothing_of_its_own_window(
     step = gradaccum.accumulate(gradaccum.grad_and_value(counted(counter)), n, sync=sync)
     for window in range(WINDOWS + 2):
         before = sync._deferred.pending
-        step(params, batch)
+        with gradaccum.sync.record_collectives() as counter.log:
+            step(params, batch)
         old, own = earlier(counter.take(), before)
         check_window(old + own, n, f"window {window}")
         if window >= 2:
@@ -347,10 +358,11 @@ def test_deferred_accumulator_reads_nothing_of_its_own_window(
     counter.take()
     for window in range(WINDOWS + 1):
         before = sync._deferred.pending
-        for g, loss in values:
-            extra = {"metrics": {"loss": loss.detach()}} if metrics == "tensors" else {}
-            state = acc.add(state, g, size=len(x) // N, **extra)
-        _, state = acc.finalize(state)
+        with gradaccum.sync.record_collectives() as counter.log:
+            for g, loss in values:
+                extra = {"metrics": {"loss": loss.detach()}} if metrics == "tensors" else {}
+                state = acc.add(state, g, size=len(x) // N, **extra)
+            _, state = acc.finalize(state)
         old, own = earlier(counter.take(), before)
         if window >= 1:
             assert not own, f"window {window}: reads of its own values: {own}"

@@ -414,7 +414,13 @@ class Comm:
         epoch = f" of epoch {spec.epoch}" if spec.epoch else ""
         return (f"{WINDOW}{spec.index}{epoch}", *names, *spec.options, *desc)
 
-    def probe(self, desc: tuple[str, ...], device: torch.device, read: bool = True) -> Probe | None:
+    def probe(
+        self,
+        desc: tuple[str, ...],
+        device: torch.device,
+        read: bool = True,
+        into: torch.Tensor | None = None,
+    ) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
 
         ``desc`` describes what the collectives depend on, one line per item; the window's index
@@ -427,13 +433,20 @@ class Comm:
         collective alone. Start it early (a window's first micro-batch, say), and ``agree``
         later reads it at the cost of the exchange, not of the compute queued in between.
         ``read=False``: its result is never read on the host (a deferred window checks it on
-        the device), so nothing comes back.
+        the device), so nothing comes back. ``into``: a 2-element int64 tensor on ``device`` to
+        exchange in (a deferred sync's, kept between windows): the numbers are written by
+        ``fill_``, kernel arguments, so a CUDA graph that captures it replays no host memory.
         """
         if self.check == "never":
             return None
         desc = self.lines(desc)
         h = digest(desc) >> 2  # fits in int64 with its negation
-        tensor = to_device([h, -h], torch.int64, device)
+        if into is not None:
+            into[:1].fill_(h)
+            into[1:].fill_(-h)
+            tensor = into
+        else:
+            tensor = to_device([h, -h], torch.int64, device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
         nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         if not read or not nccl:

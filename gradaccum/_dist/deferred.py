@@ -60,6 +60,27 @@ class Pending(NamedTuple):
     comm: Comm
     own: bool  # this rank failed in that window (and raised then)
     reduction: str
+    captured: bool = False  # recorded in a CUDA graph's capture: each replay rewrites it
+
+
+class Buffers(NamedTuple):
+    """A device's persistent tensors: the same memory in every window, as a CUDA graph needs.
+
+    ``flag`` (float32, 0-dim) is the ``found_inf``; ``status`` (float64, on the device) and
+    ``host`` (pinned on CUDA) the window's status; ``event`` marks the copy to ``host`` (CUDA);
+    ``probe`` (int64, 2) the fingerprint exchanged in a steady window.
+    """
+
+    flag: torch.Tensor
+    status: torch.Tensor
+    host: torch.Tensor
+    event: Any
+    probe: torch.Tensor
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def supports_found_inf(optimizer: object) -> bool:
@@ -71,28 +92,46 @@ class Deferred:
     """The deferred-boundary state of one sync: its flags, the pending status, the agreed layout.
 
     Attributes:
-        flags: One persistent 0-dim float32 flag per device (``found_inf``): updated in place at
-            every boundary, so an optimizer given it once sees each window's.
+        buffers: One set of persistent tensors per device (``Buffers``), the flag among them
+            (``found_inf``): updated in place at every boundary, so an optimizer given it once
+            sees each window's, and a CUDA graph replays into the same memory.
         pending: The last window's status, not read yet.
         agreed: The layout the ranks last agreed on (``None`` before the first agreement).
         guarded: The optimizers handed a flag (``guard()``), held weakly.
     """
 
     def __init__(self) -> None:
-        self.flags: dict[torch.device, torch.Tensor] = {}
+        self.buffers: dict[torch.device, Buffers] = {}
         self.pending: Pending | None = None
         self.agreed: Agreed | None = None
         self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def flag(self, device: torch.device) -> torch.Tensor:
         """The persistent flag of ``device`` (created at 0.0)."""
+        return self.on(device).flag
+
+    def on(self, device: torch.device) -> Buffers:
+        """The persistent tensors of ``device`` (made on first use, outside any capture)."""
         device = torch.device(device)
         if str(device) == "cuda":  # no index: the current device's
             device = torch.device("cuda", torch.cuda.current_device())
-        flag = self.flags.get(device)
-        if flag is None:
-            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        return flag
+        got = self.buffers.get(device)
+        if got is None:
+            if capturing(device):
+                raise GradAccumError(
+                    "a deferred sync's first window on a device cannot be captured in a CUDA "
+                    "graph (its buffers are made then); run a few windows eagerly first (as "
+                    "torch.cuda.graph's warm-up does), then capture."
+                )
+            cuda = device.type == "cuda"
+            got = self.buffers[device] = Buffers(
+                flag=torch.zeros((), dtype=torch.float32, device=device),
+                status=torch.zeros(STATUS, dtype=torch.float64, device=device),
+                host=torch.zeros(STATUS, dtype=torch.float64, pin_memory=cuda),
+                event=torch.cuda.Event() if cuda else None,  # type: ignore[no-untyped-call]
+                probe=torch.zeros(2, dtype=torch.int64, device=device),
+            )
+        return got
 
     def guard(self, where: str, optimizer: Any) -> None:
         """Hand ``optimizer`` the flag of its parameters' device as its ``found_inf``."""
@@ -144,27 +183,30 @@ class Deferred:
         Returns the total weight and the divisor, 0-dim tensors in the tail's dtype (the divisor
         is 1 where there is nothing to divide by). No host read.
         """
+        buf = self.on(tail.device)
+        captured = capturing(tail.device)
         with torch.no_grad():
-            head = tail[:TAIL].to(torch.float64)
-            total, failed = head[0], head[1]
+            status = buf.status
+            status[:TAIL].copy_(tail[:TAIL])
             if probe is not None:
-                differ = (probe.tensor[0] + probe.tensor[1] != 0).to(torch.float64)
+                status[2:3].copy_(probe.tensor[:1] + probe.tensor[1:] != 0)
             else:
-                differ = torch.zeros((), dtype=torch.float64, device=tail.device)
-            status = torch.stack([total, failed, differ, torch.zeros_like(total)])
+                status[2:3].zero_()
+            total, failed, differ = status[0], status[1], status[2]
             bad = (failed > 0) | (differ > 0)
             if reduction != "sum":
                 bad = bad | ~(total > 0)
-            self.flag(tail.device).copy_(bad)
+            buf.flag.copy_(bad)
             divisor = total if reduction == "sum" else torch.where(total > 0, total, 1.0)
+            event = None
             if tail.device.type == "cuda":
-                host = torch.empty(STATUS, dtype=torch.float64, pin_memory=True)
-                host.copy_(status, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record()
+                buf.host.copy_(status, non_blocking=True)
+                if not captured:  # an event recorded in a capture is no clock after a replay
+                    event = buf.event
+                    event.record()
             else:
-                host, event = status, None
-        self.pending = Pending(where, window, host, event, comm, own, reduction)
+                buf.host.copy_(status)
+        self.pending = Pending(where, window, buf.host, event, comm, own, reduction, captured)
         return total.to(tail.dtype), divisor.to(tail.dtype)
 
     def settle(self, where: str) -> None:
@@ -172,12 +214,23 @@ class Deferred:
 
         Every rank reads the same reduced bits, so every rank raises here, or none does.
         """
-        pending, self.pending = self.pending, None
+        pending = self.pending
         if pending is None:
             return
+        if pending.host.is_pinned() and torch.cuda.is_current_stream_capturing():
+            raise GradAccumError(
+                f"{where}: the last window's deferred checks are not read yet, and a window "
+                f"being captured in a CUDA graph cannot read them; call sync.verify() after the "
+                f"warm-up windows, before torch.cuda.graph(...), and after each replay."
+            )
         comm = pending.comm
         comm.where = where
-        total, failed, differ, _ = comm.fetch(pending.host, pending.event)
+        if pending.captured:  # each replay rewrites it: read after the device is done
+            torch.cuda.synchronize()
+            total, failed, differ, _ = pending.host.tolist()
+        else:
+            self.pending = None
+            total, failed, differ, _ = comm.fetch(pending.host, pending.event)
         w = pending.window
         skipped = self._skipped()
         if pending.own:

@@ -16,7 +16,7 @@ from .._checks import Check, check_bool, check_options, check_reduce_dtype, posi
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, group_device, leaf_order, make_plan
 from .._dist.comm import FINGERPRINT, Probe, bucket_what, first_diff, to_device
-from .._dist.deferred import Agreed, Deferred
+from .._dist.deferred import Agreed, Deferred, capturing
 from .._dist.mesh import axis, check_group
 from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout
@@ -203,8 +203,19 @@ class BucketWindow(Window):
             agreed = self.sync._deferred.agreed
             self.key = self.comm.lines(desc)[1:]  # less the window's index
             self.steady = agreed is not None and agreed.key == self.key
-        # A steady deferred window never reads its fingerprint: it goes into the device's flag.
-        self.probe = self.comm.probe(desc, self.plan.buckets[0].device, read=not self.steady)
+        # A steady deferred window never reads its fingerprint: it goes into the device's flag,
+        # exchanged in the sync's own buffer (the same memory in every window, for a graph).
+        device = self.plan.buckets[0].device
+        into = self.sync._deferred.on(device).probe if self.steady else None
+        if self.defer and capturing(device) and (not self.steady or self.sync.timeout):
+            why = "a timeout= is kept by host reads" if self.steady else "its layout is new"
+            raise GradAccumError(
+                f"{self.where}: this window cannot be captured in a CUDA graph: {why}. Capture "
+                f"a window of all_reduce(defer=True, timeout=None) after warm-up windows run "
+                f"eagerly with the same params (two, with overlap: the bucket order is agreed "
+                f"in the first), and call sync.verify() before the capture."
+            )
+        self.probe = self.comm.probe(desc, device, read=not self.steady, into=into)
 
     def last(self) -> None:
         """Open the boundary: agree on the fingerprint; find the buckets the sums are views of.
