@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -134,8 +134,10 @@ def close(step: Any) -> StepStats:
             "weight through self.connect(...) (see gradaccum.sync.Window.connect), or use "
             "gradaccum.Accumulator with finalize()."
         ) from err
-    m = totals.metrics
-    ranks, calls, squares = cast(list[float], m["saves"])
+    # The metrics by name (numbers, and lists for the 1-D ones), read without typing.cast: a
+    # Python call each, once a window.
+    m: dict[str, Any] = totals.metrics
+    ranks, calls, squares = m["saves"]
     if ranks * squares != calls * calls:
         raise GradAccumError(
             f"{where}: the ranks called gradaccum.loop.save a different number of times in "
@@ -144,8 +146,8 @@ def close(step: Any) -> StepStats:
             f"must reach each save: decide it from the window alone (if window.index == "
             f"save_at: loop.save(path, step)). The optimizer did not step, on any rank."
         )
-    items, loss_sum = totals.weight, cast(float, m["loss"])
-    micro_batches = round(cast(float, m["micro_batches"]))
+    items, loss_sum = totals.weight, m["loss"]
+    micro_batches = round(m["micro_batches"])
     if step.reduction != "sum" and not items > 0:  # in one process: tensor n, not read before
         raise ValueError(
             f"{where}: the items of window {totals.window} add up to {items:g} (every "
@@ -161,7 +163,7 @@ def close(step: Any) -> StepStats:
         wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
         norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
         norm = torch.linalg.vector_norm(torch.stack(norms))
-    for k, p, count in zip(names, params, cast(list[float], m["used"])):
+    for k, p, count in zip(names, params, m["used"]):
         if count == 0:
             p.grad = None  # unused in every micro-batch of every rank, as in the plain loop
         else:
