@@ -1058,13 +1058,13 @@ def test_each_parameter_hook_runs_once_per_window() -> None:
     model = Net()
     step = Step(model, net_loss("mean"), torch.optim.SGD(model.parameters(), lr=0.1))
     calls = []
-    on_first = step._on_first
+    on_first = step._micro._on_first
 
     def counted(i, p):
         calls.append(i)
         on_first(i, p)
 
-    step._on_first = counted  # the hooks are made when a window opens
+    step._micro._on_first = counted  # the hooks are made when a window opens
     reached = [k for k, p in model.named_parameters() if not k.startswith(("unused", "extra"))]
     for w in range(2):
         per_micro = []

@@ -8,6 +8,7 @@ mid-window included; [`progress()`][gradaccum.loop.progress] is a tqdm bar of th
 See the page "A whole training loop" (docs/loop.md).
 """
 
+from ._boundary import StepStats as StepStats
 from ._coupled import Coupled as Coupled
 from ._coupled import WindowStats as WindowStats
 from ._data import Windows as Windows
@@ -17,7 +18,6 @@ from ._progress import progress as progress
 from ._save import load as load
 from ._save import save as save
 from ._step import Step as Step
-from ._step import StepStats as StepStats
 from ._windows import windows as windows
 
 __all__ = [

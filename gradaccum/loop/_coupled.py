@@ -1,37 +1,24 @@
-"""Losses over a whole window in the loop: ``Coupled``, ``WindowStats`` and ``Step.add_window``.
+"""Losses over a whole window in the loop: ``Coupled`` and ``WindowStats``.
 
-A loss that ties a window's examples together (in-batch negatives) needs the whole window at
-once, where [`Step.add()`][gradaccum.loop.Step.add] takes one micro-batch. With a
-[`Coupled`][gradaccum.loop.Coupled] loss the step takes the window whole
-([`Step.add_window()`][gradaccum.loop.Step.add_window]): pass 1 and the exchange
-(``_coupled/_window.py``, as for [`coupled()`][gradaccum.coupled]), then pass 2 through the
-step's own ``add``, one micro-batch at a time, with a surrogate loss whose backward is the
-micro-batch's slice of the representations' gradient and whose value is this rank's share of
-the objective (on the first micro-batch; 0 on the others), so that ``StepStats.loss`` is the
-objective. A [`WindowStats`][gradaccum.loop.WindowStats] loss takes the window whole too: its
-statistics first (``_coupled/_stats.py``'s ``collect``), then each micro-batch through ``add``
-with them. The step's window is then what ``add`` leaves it: saves after ``add_window`` and
-before ``apply()`` are exact; a save in the middle of collecting a window is refused.
+A loss that ties a window's examples together (in-batch negatives, or statistics of the whole
+window) needs the whole window at once, where [`Step.add()`][gradaccum.loop.Step.add] takes one
+micro-batch. Given one of these as its loss, the step takes the window whole
+([`Step.add_window()`][gradaccum.loop.Step.add_window]); ``loop/_feed.py`` runs it.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .. import _tree
 from .._checks import check_bool
-from .._coupled._exchange import Exchange, Rows
-from .._coupled._replay import RandomStates, check_generators, reraise
-from .._coupled._stats import collect
-from .._coupled._window import cache, second_pass
+from .._coupled._exchange import Rows
+from .._coupled._replay import check_generators
 from .._errors import describe
-from .._kinds import Sum
 
-__all__ = ["Coupled", "WindowStats", "add_window", "join_failed"]
+__all__ = ["Coupled", "WindowStats"]
 
 
 class Coupled:
@@ -178,171 +165,3 @@ class WindowStats:
     def __repr__(self) -> str:
         name = getattr(self.loss, "__name__", type(self.loss).__name__)
         return f"WindowStats({getattr(self.stats, '__name__', 'stats')}, {name})"
-
-
-def _exchange(where: str, step: Any) -> Exchange | None:
-    sync = step.sync
-    if sync is None:
-        return None
-    if isinstance(step._coupled, WindowStats):  # each micro-batch counts as one in the agreement
-        return Exchange(where, sync.data_group(), sync.timeout, fn="stats", unit="micro-batches")
-    return Exchange(where, sync.data_group(), sync.timeout, fn="embed", empty_ok=True)
-
-
-def join_failed(step: Any, err: BaseException) -> None:
-    """Reading the window's data raised ``err`` on this rank: join pass 1's agreement, failed."""
-    exchange = _exchange("Step.add_window(batches)", step)
-    if exchange is not None:
-        device = next(iter(step.model.parameters())).device
-        try:
-            exchange.agree(0, True, None, step.window, device)
-        finally:
-            step._joined = True
-
-
-def _read(step: Any, batches: Iterable[Any]) -> tuple[list[Any], Exception | None]:
-    """The window's micro-batches, or the error reading them raised (joined in pass 1).
-
-    They are kept until the window is added whole: a retry of a window that failed passes the
-    same ``batches`` again (a ``DataWindow`` is read once), and gets them back.
-    """
-    kept, step._kept = step._kept, None
-    if kept is not None and kept[0] is batches:
-        return kept[1], None
-    step._joined = False
-    try:
-        taken = list(batches)
-    except Exception as err:
-        if step._joined:  # the data's callback joined pass 1's agreement flagged already
-            raise
-        return [], err
-    step._kept = (batches, taken)
-    return taken, None
-
-
-def _stats_window(step: Any, batches: Iterable[Any]) -> None:
-    """``Step.add_window`` for a ``WindowStats`` loss: the statistics, then each micro-batch."""
-    where = "Step.add_window(batches)"
-    ws: WindowStats = step._coupled
-    model = step.model
-    taken, failure = _read(step, batches)
-    step._follow(where)
-    rng = RandomStates(ws.generators)
-    device = next(iter(model.parameters())).device
-    # Each micro-batch counts as one row in the agreement (its rows are the loss's business).
-    forwards = [(functools.partial(ws.stats, model, mb), 1) for mb in taken]
-    window = collect(where, forwards, failure, rng, _exchange(where, step), step.window, device)
-    at = [0]
-
-    def with_window(model: torch.nn.Module, mb: Any) -> Any:
-        j, at[0] = at[0], at[0] + 1
-        rng.replay_drawn(j)
-        out = ws.loss(model, mb, window)
-        rng.check_drawn(where)
-        return out
-
-    _feed(step, with_window, rng, taken, restore=False)
-
-
-def _feed(
-    step: Any, loss: Callable[..., Any], rng: RandomStates, items: list[Any], restore: bool = True
-) -> None:
-    """Pass 2: ``items`` through the step's own ``add``, with ``loss`` as its loss."""
-
-    def add_all() -> None:
-        for item in items:
-            step.add(item)
-
-    kept, step.loss = step.loss, loss
-    step._feeding = True
-    try:
-        second_pass(rng, add_all, restore)
-    finally:
-        step.loss, step._feeding = kept, False
-
-
-def add_window(step: Any, batches: Iterable[Any]) -> None:
-    """``Step.add_window``: both passes over the window ``batches`` (see the module notes).
-
-    All or nothing: a window that fails anywhere is dropped whole (see ``_failed``), and the
-    step stays at its index, so that the same window may be added again.
-    """
-    index = step.state.window
-    try:
-        if isinstance(step._coupled, WindowStats):
-            _stats_window(step, batches)
-        else:
-            _coupled_window(step, batches)
-    except BaseException:
-        _failed(step, index)
-        raise
-    step._kept = None
-
-
-def _failed(step: Any, index: int) -> None:
-    """The window ``index`` failed: drop what pass 2 added, and stay at ``index``.
-
-    In one process the sums of the micro-batches added so far are dropped (with their
-    ``.grad``). Under a sync a failure in pass 2 made ``Step.add`` join the boundary flagged as
-    failed (every other rank raises in ``apply()``, which drops its window too), which moved
-    the window on: it goes back to ``index``, where the other ranks stay.
-    """
-    if step.sync is None and (step.state.micro_step or step._win is not None):
-        step.state = step.acc._abort(step.state, step._win)._replace(window=index)
-    step._drop()
-    step.state = step.state._replace(window=index)
-
-
-def _coupled_window(step: Any, batches: Iterable[Any]) -> None:
-    """``Step.add_window`` for a ``Coupled`` loss: pass 1, the exchange, the loss, pass 2."""
-    where = "Step.add_window(batches)"
-    coupled: Coupled = step._coupled
-    model = step.model
-    taken, failure = _read(step, batches)
-    forwards: list[tuple[Callable[[], Any], int | None]] = [
-        (functools.partial(coupled.embed, model, mb), None) for mb in taken
-    ]
-    if failure is not None:
-        forwards = [(functools.partial(reraise, failure), None)]
-    step._follow(where)
-    targets = [p for p in model.parameters() if p.requires_grad]
-    rng = RandomStates(coupled.generators)
-    device = next(iter(model.parameters())).device
-    done = cache(
-        where,
-        forwards,
-        lambda reps, rows: coupled.loss(model, reps, rows),
-        targets,
-        rng,
-        _exchange(where, step),
-        step.window,
-        device,
-    )
-    floating = done.leaves.floating
-    direct = [(targets[k], g) for k, g in done.direct]
-    at = [0]
-
-    def surrogate(model: torch.nn.Module, item: Any) -> Sum:
-        mb, grads = item
-        j, at[0] = at[0], at[0] + 1
-        if j == 0:
-            done.check()
-        rng.replay(j)
-        leaves = _tree.flatten(coupled.embed(model, mb))[0]
-        if coupled.check_replay:
-            done.replay.compare(j, [leaves[i] for i in floating])
-        total = sum((leaves[i] * g).sum() for i, g in zip(floating, grads))
-        if j == 0:
-            for p, d in direct:  # the loss's own use of the parameters, added once
-                total = total + (p * d).sum()
-        elif not total.requires_grad and direct:
-            # embed reaches no trainable parameter (a frozen encoder, a trained temperature):
-            # the micro-batch is counted with a backward that adds 0 to the loss's parameters.
-            for p, _ in direct:
-                total = total + p.sum() * 0
-        value: torch.Tensor = total - total.detach()
-        if j == 0:
-            value = value + done.share
-        return Sum(value, grads[0].shape[0])  # a share of the sum; its rows count the items
-
-    _feed(step, surrogate, rng, list(zip(taken, done.slices)))

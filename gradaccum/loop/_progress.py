@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._errors import describe
-from ._step import StepStats
+from ._boundary import StepStats
 
 __all__ = ["Progress", "progress"]
 

@@ -43,8 +43,8 @@ from .._errors import GradAccumError, describe
 from ._data import Windows
 from ._plan import Agreement, data_axes
 from ._source import rng_states, run_token, set_rng_states
+from ._state import FORMAT as STEP_FORMAT
 from ._state import prepare
-from ._step import FORMAT as STEP_FORMAT
 from ._step import Step
 
 __all__ = ["load", "save"]
@@ -138,9 +138,10 @@ def _data_position(where: str, step: Step, data: Windows[Any]) -> dict[str, Any]
         done = closed or (current is not None and current._len is not None and current._left == 0)
         if done:
             return {**d, "closed": True}
-    if getattr(step, "_coupled", None) is not None:
+    feed = getattr(step, "_feed", None)
+    if feed is not None:
         raise ValueError(
-            f"{where}: the step's loss is coupled ({step._coupled!r}): it takes a window whole "
+            f"{where}: the step's loss is coupled ({feed.loss!r}): it takes a window whole "
             f"(step.add_window), and the data is at window {dw} with {taken} micro-batch(es) "
             f"taken while the step has {sm} added; a save here would lose them. Save before "
             f"the window's first micro-batch is taken, after step.add_window(window), or after "
@@ -249,7 +250,7 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
 
 def _generators(step: Step) -> tuple[Any, ...]:
     """The explicit random generators of the step's loss (``generators=``), if any."""
-    return tuple(getattr(getattr(step, "_coupled", None), "generators", ()))
+    return tuple(getattr(getattr(getattr(step, "_feed", None), "loss", None), "generators", ()))
 
 
 def _write(file: Path, obj: Any, run: int) -> None:

@@ -7,6 +7,9 @@ order), and the reduction. ``prepare`` compares all of it
 with the live step and builds the restored window without changing anything, and returns the
 function that applies it: a refused load leaves the model, optimizer, scheduler and window as
 they were. ``gradaccum.loop.load`` agrees over the ranks between the two.
+
+``checkpoint`` is ``Step.state_dict()``; ``restore`` is ``Step.load_state_dict()``: the format
+(``FORMAT``) checked, then ``prepare`` and what it returns.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 
 from .._errors import GradAccumError, describe, dtype_name
 
-__all__ = ["kind", "optimizer_params", "prepare"]
+__all__ = ["FORMAT", "checkpoint", "kind", "optimizer_params", "prepare", "restore"]
 
+FORMAT = "gradaccum.loop.Step/2"
 REBUILD = "build the Step as the one that was saved"
 KEYS = (
     "model",
@@ -236,8 +240,41 @@ def prepare(where: str, step: Any, state_dict: dict[str, Any]) -> Callable[[], N
         step.optimizer.load_state_dict(sd["optimizer"])
         if step.scheduler is not None:
             step.scheduler.load_state_dict(sd["scheduler"])
-        step._drop()  # the window in progress, if any, is replaced by the checkpoint's
+        step._micro.drop()  # the window in progress, if any, is replaced by the checkpoint's
         step.state = restored
         step._saves = 0  # the saves since the last boundary: none, on every rank
 
     return commit
+
+
+def checkpoint(step: Any) -> dict[str, Any]:
+    """``Step.state_dict()``: the state dicts, what a resume must match, the window's sums."""
+    return {
+        "format": FORMAT,
+        "model": step.model.state_dict(),
+        "optimizer": step.optimizer.state_dict(),
+        "optimizer_kind": kind(step.optimizer),
+        "optimizer_params": optimizer_params(step.model, step.optimizer),
+        "scheduler": None if step.scheduler is None else step.scheduler.state_dict(),
+        "scheduler_kind": None if step.scheduler is None else kind(step.scheduler),
+        "reduction": step.reduction,
+        "accumulator": step.acc.state_dict(step.state),
+    }
+
+
+def restore(step: Any, state_dict: dict[str, Any]) -> None:
+    """``Step.load_state_dict(state_dict)``: its format checked, then all of it or nothing."""
+    sd = state_dict
+    where = "Step.load_state_dict(state_dict)"
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        got = sd.get("format") if isinstance(sd, dict) else None
+        if isinstance(got, str) and got.startswith("gradaccum.loop.Step/"):
+            raise ValueError(
+                f"{where}: the state has format {got!r}, but this gradaccum reads "
+                f"{FORMAT!r}; load it with the gradaccum version that saved it."
+            )
+        raise ValueError(
+            f"{where}: expected a dict with format {FORMAT!r}, got {describe(sd)}; pass "
+            f"what Step.state_dict() returned."
+        )
+    prepare(where, step, sd)()
