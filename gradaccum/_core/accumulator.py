@@ -303,10 +303,13 @@ class Accumulator:
         by: str,
         stats: bool = False,
         live: Window | None = None,
+        raw: bool = False,
     ) -> tuple[T, AccumState[T], Any]:
         """The boundary of ``finalize`` and ``boundary``: the stats only when asked for.
 
-        ``live``: the window that ``state`` is in, kept by the caller (see ``_live``).
+        ``live``: the window that ``state`` is in, kept by the caller (see ``_live``). ``raw``
+        (with ``stats``): the window's index, its totals as the window left them (tensors on
+        the device after a deferred boundary) and the signature, read by nobody here.
         """
         check_no_transform(where)
         check_state(where, state)
@@ -329,6 +332,8 @@ class Accumulator:
                 f"(or set self.totals in finish), or call finalize(state) instead."
             )
         weight, totals = window.totals
+        if raw:
+            return grads, out, (state.window, weight, totals, sig)
         return grads, out, WindowStats(state.window, float(weight), _metrics.unpack(sig, totals))
 
     def abort(self, state: AccumState[T]) -> AccumState[T]:

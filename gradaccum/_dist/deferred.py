@@ -61,6 +61,7 @@ class Pending(NamedTuple):
     own: bool  # this rank failed in that window (and raised then)
     reduction: str
     captured: bool = False  # recorded in a CUDA graph's capture: each replay rewrites it
+    also: str = ""  # what the caller's own check (``Deferred.also``) found, as an error message
 
 
 class Buffers(NamedTuple):
@@ -192,6 +193,7 @@ class Deferred:
                 status[2:3].copy_(probe.tensor[:1] + probe.tensor[1:] != 0)
             else:
                 status[2:3].zero_()
+            status[3:].zero_()  # the caller's own check (also), none yet
             total, failed, differ = status[0], status[1], status[2]
             bad = (failed > 0) | (differ > 0)
             if reduction != "sum":
@@ -227,10 +229,10 @@ class Deferred:
         comm.where = where
         if pending.captured:  # each replay rewrites it: read after the device is done
             torch.cuda.synchronize()
-            total, failed, differ, _ = pending.host.tolist()
+            total, failed, differ, extra = pending.host.tolist()
         else:
             self.pending = None
-            total, failed, differ, _ = comm.fetch(pending.host, pending.event)
+            total, failed, differ, extra = comm.fetch(pending.host, pending.event)
         w = pending.window
         skipped = self._skipped()
         if pending.own:
@@ -262,6 +264,29 @@ class Deferred:
                 f"ranks, so there was no mean to divide by. {skipped} Skip windows with no "
                 f"items on any rank (e.g. all padding), or use reduction='sum'."
             )
+        if extra:
+            raise GradAccumError(f"{where}: in window {w}, {pending.also} {skipped}")
+
+    def also(self, bad: torch.Tensor, message: str) -> None:
+        """Fail the window just recorded where ``bad`` (a 0-dim bool on its device) is true.
+
+        A caller's own check, made on the device from the reduced values after the boundary
+        (``loop.Step``'s: the ranks saved alike). It joins the flag and the status, which go to
+        the host again; the next window raises ``GradAccumError`` with ``message`` if it held.
+        """
+        pending = self.pending
+        assert pending is not None
+        buf = self.on(bad.device)
+        with torch.no_grad():
+            buf.status[3:4].copy_(bad)
+            torch.maximum(buf.flag, bad.to(buf.flag.dtype), out=buf.flag)
+            if bad.device.type == "cuda":
+                buf.host.copy_(buf.status, non_blocking=True)
+                if pending.event is not None:
+                    pending.event.record()
+            else:
+                buf.host.copy_(buf.status)
+        self.pending = pending._replace(also=message)
 
     def _skipped(self) -> str:
         if len(self.guarded):

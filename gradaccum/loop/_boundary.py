@@ -33,7 +33,12 @@ class StepStats(NamedTuple):
     """What [`Step.apply()`][gradaccum.loop.Step.apply] reports about the window it closed.
 
     The sums are over every micro-batch of every rank, read from the boundary collective that
-    already reduces the gradients.
+    already reduces the gradients. After a deferred boundary (``sync=all_reduce(defer=True)``)
+    nothing is read: ``loss``, ``items``, ``micro_batches`` and ``grad_norm`` (and ``lr``, when
+    the optimizer's is a tensor) are 0-dim tensors on the gradients' device, read only where
+    they are used (``float(stats.loss)``, ``f"{stats.loss:.4f}"``, a comparison); they format,
+    compare and compute as the numbers do, but ``json.dumps`` wants ``float(...)`` first
+    ([The deferred boundary](../loop.md#the-deferred-boundary)).
 
     Attributes:
         window: The index of the window (the optimizer step), from 0.
@@ -56,15 +61,15 @@ class StepStats(NamedTuple):
     """
 
     window: int
-    loss: float
-    items: float
-    micro_batches: int
-    grad_norm: float
-    lr: float
+    loss: float | torch.Tensor
+    items: float | torch.Tensor
+    micro_batches: int | torch.Tensor
+    grad_norm: float | torch.Tensor
+    lr: float | torch.Tensor
     seconds: float
 
     @property
-    def items_per_s(self) -> float:
+    def items_per_s(self) -> float | torch.Tensor:
         """Throughput: ``items`` (rows, or tokens when the loss says so) per second."""
         return self.items / self.seconds if self.seconds > 0 else math.inf
 
@@ -110,17 +115,25 @@ def close(step: Any) -> StepStats:
             f"gradient to apply; add the window's micro-batches first ({add}), then call "
             f"step.apply()."
         )
+    if step.sync is not None and step.sync.defer:
+        settle(step, where)
     if step.state.micro_step == 0:  # an empty window trains what the other ranks' do
         step.state = micro.follow(where, step.state)
     saves, names, params = step._saves, micro.names, micro.params
     step._saves = 0
     if step._feed is not None:
         step._feed.kept = None
+    deferred = step.sync is not None and step.sync.defer
+    # Every parameter's first-backward hook fired: this rank reached them all in the window.
+    first = micro._first
+    reached_all = bool(first) and first.count(None) == len(first)
     try:
         # Accumulator.boundary, its errors named after this call (not Accumulator(n=...)).
         state, live = with_saves(step, step.state, saves), micro.win
         micro.drop()
-        grads, step.state, totals = step.acc._close(where, state, "apply()", True, live)
+        grads, step.state, totals = step.acc._close(
+            where, state, "apply()", True, live, raw=deferred
+        )
     except GradAccumError:
         if step._feed is not None:  # a window taken whole is dropped whole: add it again
             again(step, state)
@@ -134,6 +147,8 @@ def close(step: Any) -> StepStats:
             "weight through self.connect(...) (see gradaccum.sync.Window.connect), or use "
             "gradaccum.Accumulator with finalize()."
         ) from err
+    if deferred:
+        return close_deferred(step, grads, totals, reached_all)
     # The metrics by name (numbers, and lists for the 1-D ones), read without typing.cast: a
     # Python call each, once a window.
     m: dict[str, Any] = totals.metrics
@@ -184,3 +199,90 @@ def close(step: Any) -> StepStats:
     # for the norm alone, and the device still has the step to run (no drained queue).
     grad_norm = float(norm)
     return StepStats(totals.window, loss, items, micro_batches, grad_norm, lr, seconds)
+
+
+def settle(step: Any, where: str) -> None:
+    """A deferred sync: the last window's checks, before this window's first collective.
+
+    A bad window raises here on every rank; this window's micro-batches stay (``apply()``
+    again closes it). A rank that stepped its scheduler for the bad window (the fused step
+    skipped it on the device) puts the scheduler and the learning rates back, so that every
+    rank's schedule stays where the rank that failed left its own.
+    """
+    before, undo = step.sync._pending(), step._undo
+    step._undo = None
+    try:
+        step.sync._settle(where)
+    except (GradAccumError, ValueError):
+        if undo is not None and undo[0] is before:
+            scheduler_state, lrs = undo[1]
+            step.scheduler.load_state_dict(scheduler_state)
+            for group, lr in zip(step.optimizer.param_groups, lrs):
+                if isinstance(lr, torch.Tensor):
+                    group["lr"].copy_(lr)
+                else:
+                    group["lr"] = lr
+        raise
+
+
+SAVES = (
+    "the ranks called gradaccum.loop.save a different number of times, so the checkpoint is "
+    "not the same point on every rank. Every rank must reach each save: decide it from the "
+    "window alone (if window.index == save_at: loop.save(path, step))."
+)
+
+
+def close_deferred(step: Any, grads: Any, raw: Any, reached_all: bool) -> StepStats:
+    """``close`` after a deferred boundary (``all_reduce(defer=True)``): no host read.
+
+    The checks become the sync's device flag, which the fused optimizer (guarded at ``Step``'s
+    construction) skips on: the saves check joins it (``Deferring._fail_if``); the empty window
+    is the boundary's own. ``.grad`` is set on every parameter when this rank reached them all
+    (then so did the ranks together); otherwise the ``used`` map is read, on this rank only,
+    and gives every rank the same decision. The stats stay on the device (0-dim tensors); a
+    scheduler that takes a metric reads the loss.
+    """
+    index, items, flats, sig = raw
+    flat = flats[0]
+    at: dict[str, slice] = {}
+    o = 0
+    for k, shape in sig:
+        width = shape[0] if shape else 1
+        at[k] = slice(o, o + width)
+        o += width
+    saves = flat[at["saves"]]
+    step.sync._fail_if(saves[0] * saves[2] != saves[1] * saves[1], SAVES)
+    loss_sum, micro_batches = flat[at["loss"]][0], flat[at["micro_batches"]][0]
+    if step.clip is not None:
+        grads, norm = clip_by_global_norm(grads, step.clip)
+    else:
+        leaves = _tree.flatten(grads)[0]
+        wide = torch.float64 if torch.float64 in {g.dtype for g in leaves} else torch.float32
+        norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+    micro = step._micro
+    if reached_all:
+        for k, p in zip(micro.names, micro.params):
+            p.grad = grads[k].to(p.dtype)
+    else:  # some parameter this rank did not reach: did another rank? (a read, here only)
+        for k, p, count in zip(micro.names, micro.params, flat[at["used"]].tolist()):
+            p.grad = None if count == 0 else grads[k].to(p.dtype)
+    optimizer, scheduler = step.optimizer, step.scheduler
+    lr = optimizer.param_groups[0]["lr"]
+    lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
+    loss = loss_sum if step.reduction == "sum" else loss_sum / items
+    optimizer.step()  # skips on the device where the window's flag is 1
+    if scheduler is not None:  # what settle() puts back, if this window turns out bad
+        lrs = [
+            g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+            for g in optimizer.param_groups
+        ]
+        step._undo = (step.sync._pending(), (scheduler.state_dict(), lrs))
+        if step._plateau:
+            scheduler.step(float(loss))  # a number every window: the one read it costs
+        else:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    now = time.perf_counter()
+    seconds, step._since = now - (step._since or now), now
+    return StepStats(index, loss, items, micro_batches, norm.detach(), lr, seconds)

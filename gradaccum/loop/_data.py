@@ -337,6 +337,8 @@ class Windows(Generic[B]):
             while self.epochs is None or self._epoch < self.epochs:
                 yield from self._run_epoch()
                 self._next_epoch()
+            if self.sync is not None and self.sync.defer:  # the last window's deferred checks
+                self.sync.verify()
         finally:  # a window yielded stays current (iterable) until a new loop yields one
             self._iterating = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._errors import describe
@@ -48,11 +49,15 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, **options)
         self.history: list[StepStats] = []
         self.last: StepStats | None = None
+        self._held: StepStats | None = None  # deferred stats, shown one window late
 
     def update(self, stats: StepStats) -> None:
         """Advance by one window; show its global loss, gradient norm, LR and items per second.
 
-        The stats are appended to ``history`` (and are ``last``) on every rank.
+        The stats are appended to ``history`` (and are ``last``) on every rank. Stats of a
+        deferred boundary (0-dim tensors on the device) are shown one window late, when the
+        device is done with them, so that the bar reads nothing of the window in progress;
+        ``close()`` shows the last window's.
         """
         if not isinstance(stats, StepStats):
             raise TypeError(
@@ -61,17 +66,29 @@ class Progress:
             )
         self.history.append(stats)
         self.last = stats
-        self.bar.set_postfix(
-            loss=f"{stats.loss:.4f}",
-            norm=f"{stats.grad_norm:.3g}",
-            lr=f"{stats.lr:.3g}",
-            items_per_s=f"{stats.items_per_s:.4g}",
-            refresh=False,
-        )
+        if isinstance(stats.loss, torch.Tensor):  # a deferred boundary: read nothing of it now
+            shown, self._held = self._held, stats
+            if shown is None:
+                self.bar.update(1)
+                return
+            stats = shown  # the window before: done on the device by now
+        self._show(stats)
         self.bar.update(1)
 
+    def _show(self, stats: StepStats) -> None:
+        self.bar.set_postfix(
+            loss=f"{float(stats.loss):.4f}",
+            norm=f"{float(stats.grad_norm):.3g}",
+            lr=f"{float(stats.lr):.3g}",
+            items_per_s=f"{float(stats.items_per_s):.4g}",
+            refresh=False,
+        )
+
     def close(self) -> None:
-        """Close the bar."""
+        """Close the bar (showing the last window's stats, if held back)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._show(held)
         self.bar.close()
 
     def __enter__(self) -> Progress:

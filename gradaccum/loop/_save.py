@@ -216,6 +216,9 @@ def save(path: str | os.PathLike[str], step: Step | None = None, *, data: Any = 
     where = _where("save")
     folder = _folder(where, path)
     data = _check(where, step, data)
+    sync = step.sync if step is not None else getattr(data, "sync", None)
+    if sync is not None and sync.defer:  # a deferred sync: the last window's checks first
+        sync.verify()
     rank, world = _rank_world()
     own: dict[str, Any] = {"format": FORMAT, "rank": rank, "world": world}
     shared: dict[str, Any] | None = None

@@ -248,7 +248,13 @@ def prepare(where: str, step: Any, state_dict: dict[str, Any]) -> Callable[[], N
 
 
 def checkpoint(step: Any) -> dict[str, Any]:
-    """``Step.state_dict()``: the state dicts, what a resume must match, the window's sums."""
+    """``Step.state_dict()``: the state dicts, what a resume must match, the window's sums.
+
+    Under a deferred sync the last window's checks are read first (``sync.verify()``): a
+    checkpoint is never taken of a window that failed on another rank.
+    """
+    if step.sync is not None and step.sync.defer:
+        step.sync.verify()
     return {
         "format": FORMAT,
         "model": step.model.state_dict(),

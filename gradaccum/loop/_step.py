@@ -241,15 +241,17 @@ class Step:
                 f"leave out sync= here (the step then takes data's)."
             )
         check_sync(where, sync)
-        if sync is not None and sync.defer:
+        if sync is not None and sync.defer and coupled is not None:
             raise ValueError(
-                f"{where}: sync was made with defer=True, whose boundary is read by the next "
-                f"window; Step reads each boundary on the host (its stats, the LR scheduler, "
-                f"unused parameters) and does not skip a bad window on the device yet, so a "
-                f"window another rank failed would be applied here; pass "
-                f"gradaccum.all_reduce(...) without defer=True, or use accumulate / "
-                f"Accumulator with sync.guard(optimizer)."
+                f"{where}: sync was made with defer=True, and a {type(loss).__name__} loss "
+                f"exchanges and reads its window's statistics on the host; pass "
+                f"gradaccum.all_reduce(...) without defer=True for it."
             )
+        if sync is not None and sync.defer:  # a bad window is skipped by the fused step
+            try:
+                sync.guard(optimizer)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{where}: sync was made with defer=True: {err}") from err
         if sync is not None and sync.shards:
             raise ValueError(
                 f"{where}: sync is a reduce_scatter, whose boundary returns this rank's "
@@ -283,6 +285,7 @@ class Step:
             run_token()  # the checkpoints' run token, read while every rank is surely there
         self._plateau = scheduler is not None and takes_metric(scheduler)
         self._saves = 0  # loop.save calls since the last boundary (carried in its exchange)
+        self._undo: Any = None  # deferred: the scheduler as before the last window's step
         self._since: float | None = None
         self._micro = MicroSteps(self.acc, model)  # the trainable parameters, the backwards
         self.state = self._micro.train(where, None)

@@ -98,3 +98,19 @@ class Deferring:
             >>> gradaccum.all_reduce(defer=True).verify()  # no window yet: nothing to read
         """
         self._deferred.settle(f"{type(self).__name__}.verify()")
+
+    def _fail_if(self, bad: torch.Tensor, message: str) -> None:
+        """Fail the window just closed where ``bad`` (0-dim bool) holds: a caller's own check.
+
+        It joins the window's flag on the device, and the next window raises
+        ``GradAccumError`` with ``message`` on every rank (``loop.Step``'s saves check).
+        """
+        self._deferred.also(bad, message)
+
+    def _settle(self, where: str) -> None:
+        """``verify()``, its errors named after ``where`` (the caller's call)."""
+        self._deferred.settle(where)
+
+    def _pending(self) -> Any:
+        """The last window's status, not read yet (``None``: nothing pending)."""
+        return self._deferred.pending
