@@ -367,3 +367,39 @@ def test_deferred_accumulator_reads_nothing_of_its_own_window(
         if window >= 1:
             assert not own, f"window {window}: reads of its own values: {own}"
             assert len(old) == 1, f"window {window}: {old}"
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+def test_deferred_loop_step_reads_nothing_of_its_own_window(
+    world: None, counter: HostReads, clip: float | None
+) -> None:
+    """``Step`` over ``all_reduce(defer=True)``, a fused optimizer: 0 reads of its own window.
+
+    Its stats stay on the device; reading one is the user's read (here, after the window).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
+    sync = gradaccum.all_reduce(bucket_mb=0.0001, defer=True)
+
+    def loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        counter.forwards += 1
+        return F.mse_loss(m(b[0]).squeeze(-1), b[1])
+
+    step = Step(model, loss, opt, clip=clip, sync=sync)
+    _, (x, y) = mlp()
+    micro = list(zip(x.chunk(N), y.chunk(N)))
+    for window in range(WINDOWS + 1):
+        before = sync._deferred.pending
+        with gradaccum.sync.record_collectives() as counter.log:
+            for mb in micro:
+                step.add(mb)
+            stats = step.apply()
+        old, own = earlier(counter.take(), before)
+        if window >= 1:  # the first agrees on the layout
+            assert not own, f"window {window}: reads of its own values: {own}"
+            assert len(old) == 1, f"window {window}: {old}"
+        assert isinstance(stats.grad_norm, torch.Tensor)
+        assert float(stats.grad_norm) > 0
+        counter.take()  # that read was the test's
+    sync.verify()

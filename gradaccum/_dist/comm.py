@@ -420,6 +420,7 @@ class Comm:
         device: torch.device,
         read: bool = True,
         into: torch.Tensor | None = None,
+        deferred: bool = False,
     ) -> Probe | None:
         """Start the exchange of a fingerprint of ``desc`` (16 bytes: max of ``h`` and ``-h``).
 
@@ -436,17 +437,21 @@ class Comm:
         the device), so nothing comes back. ``into``: a 2-element int64 tensor on ``device`` to
         exchange in (a deferred sync's, kept between windows): the numbers are written by
         ``fill_``, kernel arguments, so a CUDA graph that captures it replays no host memory.
+        ``deferred``: a deferred window's exchange, ``[h, -h, r, -r]`` with ``r`` 1 where this
+        rank reads it (``read``): its readers learn whether every rank reads it
+        ([`read_probe()`][gradaccum.sync.Comm.read_probe]).
         """
         if self.check == "never":
             return None
         desc = self.lines(desc)
         h = digest(desc) >> 2  # fits in int64 with its negation
+        values = [h, -h, int(read), -int(read)] if deferred else [h, -h]
         if into is not None:
-            into[:1].fill_(h)
-            into[1:].fill_(-h)
+            for k, v in enumerate(values):
+                into[k : k + 1].fill_(v)
             tensor = into
         else:
-            tensor = to_device([h, -h], torch.int64, device)
+            tensor = to_device(values, torch.int64, device)
         work = self.all_reduce(tensor, FINGERPRINT, "fingerprint", op=dist.ReduceOp.MAX)
         nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         if not read or not nccl:
@@ -454,7 +459,7 @@ class Comm:
         # The result comes back on a side stream that waits for this collective alone (NCCL's
         # Work.wait makes the current stream wait, not the host), into pinned memory: agree()
         # then waits for that copy, not for the compute stream.
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
         side, event = _side_stream(tensor.device), torch.cuda.Event()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side), self.failing(FINGERPRINT):
             work.wait()  # the side stream waits for the collective (the host does not)
@@ -482,12 +487,15 @@ class Comm:
 
     def agrees(self, probe: Probe) -> bool:
         """Wait for a fingerprint exchange; whether every rank sent the same fingerprint."""
-        if probe.event is not None:  # NCCL: the side stream waited; wait for its copy, read it
-            hi, neg_lo = self.fetch(probe.host, probe.event)  # type: ignore[arg-type]
-        else:
-            self.wait(probe.work, FINGERPRINT)
-            hi, neg_lo = self.fetch(probe.tensor)
+        hi, neg_lo = self.read_probe(probe)[:2]
         return bool(hi == -neg_lo)
+
+    def read_probe(self, probe: Probe) -> list[int]:
+        """Wait for a fingerprint exchange and read it: ``[max h, -min h, ...]`` over the ranks."""
+        if probe.event is not None:  # NCCL: the side stream waited; wait for its copy, read it
+            return self.fetch(probe.host, probe.event)  # type: ignore[arg-type]
+        self.wait(probe.work, FINGERPRINT)
+        return self.fetch(probe.tensor)
 
     def compare(self, desc: tuple[str, ...], subject: str = "gradients to synchronise") -> None:
         """Gather every rank's ``desc``; if any differs, raise naming the first difference.

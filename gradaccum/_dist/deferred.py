@@ -33,8 +33,10 @@ from .comm import Comm, Probe
 __all__ = ["Agreed", "Deferred", "supports_found_inf"]
 
 # The status a window leaves for the next one: [total weight, failed ranks, fingerprints
-# differ, non-finite], float64, on the device and then in pinned memory.
+# differ, the caller's own check failed (Deferred.also)], float64, on the device and then in
+# pinned memory.
 STATUS = 4
+PROBE = 4  # a deferred fingerprint: [h, -h, reads, -reads], max-reduced (see Comm.probe)
 
 
 class Agreed(NamedTuple):
@@ -106,18 +108,28 @@ class Deferred:
         self.pending: Pending | None = None
         self.agreed: Agreed | None = None
         self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.last: torch.device | None = None  # the device of the last window's gradients
 
     def flag(self, device: torch.device) -> torch.Tensor:
         """The persistent flag of ``device`` (created at 0.0)."""
         return self.on(device).flag
 
     def on(self, device: torch.device) -> Buffers:
-        """The persistent tensors of ``device`` (made on first use, outside any capture)."""
+        """The persistent tensors of ``device`` (made on first use, outside any capture).
+
+        Made outside inference mode whatever the caller's mode, so that every later window
+        can update them in place.
+        """
         device = torch.device(device)
         if str(device) == "cuda":  # no index: the current device's
             device = torch.device("cuda", torch.cuda.current_device())
         got = self.buffers.get(device)
         if got is None:
+            if device.type == "meta":
+                raise ValueError(
+                    "a deferred sync's flag cannot live on the meta device (it holds no data); "
+                    "pass the device the gradients are on (materialise the parameters first)."
+                )
             if capturing(device):
                 raise GradAccumError(
                     "a deferred sync's first window on a device cannot be captured in a CUDA "
@@ -125,13 +137,14 @@ class Deferred:
                     "torch.cuda.graph's warm-up does), then capture."
                 )
             cuda = device.type == "cuda"
-            got = self.buffers[device] = Buffers(
-                flag=torch.zeros((), dtype=torch.float32, device=device),
-                status=torch.zeros(STATUS, dtype=torch.float64, device=device),
-                host=torch.zeros(STATUS, dtype=torch.float64, pin_memory=cuda),
-                event=torch.cuda.Event() if cuda else None,  # type: ignore[no-untyped-call]
-                probe=torch.zeros(2, dtype=torch.int64, device=device),
-            )
+            with torch.inference_mode(False), torch.no_grad():
+                got = self.buffers[device] = Buffers(
+                    flag=torch.zeros((), dtype=torch.float32, device=device),
+                    status=torch.zeros(STATUS, dtype=torch.float64, device=device),
+                    host=torch.zeros(STATUS, dtype=torch.float64, pin_memory=cuda),
+                    event=torch.cuda.Event() if cuda else None,  # type: ignore[no-untyped-call]
+                    probe=torch.zeros(PROBE, dtype=torch.int64, device=device),
+                )
         return got
 
     def guard(self, where: str, optimizer: Any) -> None:
@@ -156,8 +169,22 @@ class Deferred:
                 f"{where}: the optimizer's parameters must lie on one device, got {got}; guard "
                 f"an optimizer per device."
             )
+        device = devices.pop()
+        if device.type == "meta":
+            raise ValueError(
+                f"{where}: the optimizer's parameters are on the meta device, which holds no "
+                f"data; guard it once they are materialised on the device they train on."
+            )
+        sgd = isinstance(optimizer, torch.optim.SGD)
+        if sgd and any(g["momentum"] and g["dampening"] for g in optimizer.param_groups):
+            raise ValueError(
+                f"{where}: fused SGD with momentum and dampening != 0 cannot skip its first step "
+                f"on the device: torch's fused SGD then leaves its momentum buffers "
+                f"uninitialised (torch.empty_like), and the next step reads them; use "
+                f"dampening=0, or all_reduce(defer=False)."
+            )
         found = getattr(optimizer, "found_inf", None)
-        flag = self.flag(devices.pop())
+        flag = self.flag(device)
         if found is not None and found is not flag:
             raise ValueError(
                 f"{where}: the optimizer already has a found_inf of its own (another sync's, or "
@@ -165,6 +192,13 @@ class Deferred:
                 f"with one deferred sync, and do not use torch.amp.GradScaler with it (it sets "
                 f"and deletes found_inf at every step)."
             )
+        if sgd:  # a skipped first step must not leave the buffers uninitialised (see above)
+            with torch.inference_mode(False), torch.no_grad():
+                for g in optimizer.param_groups:
+                    for p in g["params"] if g["momentum"] else ():
+                        # Zeros make the first step's buffer momentum * 0 + grad: the grad, as
+                        # the first step's copy of it (dampening is 0).
+                        optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         optimizer.found_inf = flag
         self.guarded.add(optimizer)
 
@@ -190,7 +224,7 @@ class Deferred:
             status = buf.status
             status[:TAIL].copy_(tail[:TAIL])
             if probe is not None:
-                status[2:3].copy_(probe.tensor[:1] + probe.tensor[1:] != 0)
+                status[2:3].copy_(probe.tensor[:1] + probe.tensor[1:2] != 0)
             else:
                 status[2:3].zero_()
             status[3:].zero_()  # the caller's own check (also), none yet
@@ -199,6 +233,9 @@ class Deferred:
             if reduction != "sum":
                 bad = bad | ~(total > 0)
             buf.flag.copy_(bad)
+            for other, b in self.buffers.items():  # another device's optimizer sees it too
+                if other != tail.device and not (other.type == "cpu" and tail.is_cuda):
+                    b.flag.copy_(buf.flag, non_blocking=True)
             divisor = total if reduction == "sum" else torch.where(total > 0, total, 1.0)
             event = None
             if tail.device.type == "cuda":
@@ -209,6 +246,7 @@ class Deferred:
             else:
                 buf.host.copy_(status)
         self.pending = Pending(where, window, buf.host, event, comm, own, reduction, captured)
+        self.last = tail.device
         return total.to(tail.dtype), divisor.to(tail.dtype)
 
     def settle(self, where: str) -> None:
@@ -289,6 +327,15 @@ class Deferred:
         self.pending = pending._replace(also=message)
 
     def _skipped(self) -> str:
+        flags = {id(b.flag) for b in self.buffers.values()}
+        lost = [o for o in self.guarded if id(getattr(o, "found_inf", None)) not in flags]
+        if lost:
+            return (
+                f"The {type(lost[0]).__name__} given the flag (guard) has lost it (its found_inf "
+                f"was replaced or deleted, e.g. by torch.amp.GradScaler, which deletes it after "
+                f"each step), so if it stepped on that window's gradients, its update was "
+                f"applied."
+            )
         if len(self.guarded):
             return (
                 "That window's update was skipped on the device (found_inf) by the optimizer "

@@ -215,7 +215,8 @@ class BucketWindow(Window):
                 f"eagerly with the same params (two, with overlap: the bucket order is agreed "
                 f"in the first), and call sync.verify() before the capture."
             )
-        self.probe = self.comm.probe(desc, device, read=not self.steady, into=into)
+        read = not self.steady
+        self.probe = self.comm.probe(desc, device, read=read, into=into, deferred=self.defer)
 
     def last(self) -> None:
         """Open the boundary: agree on the fingerprint; find the buckets the sums are views of.
@@ -236,7 +237,11 @@ class BucketWindow(Window):
         if self.steady:
             self.held = probe  # sent; its result goes into the flag at the boundary
         elif self.defer and self.sync._deferred.agreed is not None and probe is not None:
-            if not self.comm.agrees(probe):
+            hi, neg_lo, _, neg_least = self.comm.read_probe(probe)
+            if hi != -neg_lo and neg_least == -1:  # every rank reads: they can name it
+                self.joined = True  # every rank raises in compare(): no boundary to join
+                self.comm.compare(probe.desc)
+            if hi != -neg_lo:
                 self._refuse()
         else:
             self.comm.agree(probe)  # the ranks' buckets must agree before the first one starts

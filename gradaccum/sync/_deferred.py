@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._dist.deferred import Deferred
+from .._errors import describe
 
 __all__ = ["Deferring"]
 
@@ -64,21 +65,56 @@ class Deferring:
         self._deferred.guard(where, optimizer)
 
     def found_inf(self, device: Any = None) -> torch.Tensor:
-        """The window flag of ``device`` (default: the current CUDA device, else the CPU).
+        """The window flag on ``device``: by default the last window's gradients' device.
 
         A 0-dim float32 tensor, ``1.0`` after a window that must not be applied and ``0.0``
         otherwise, updated in place at every boundary (``defer=True``), the same on every rank:
         use it for an optimizer of your own, e.g. ``torch.where(flag > 0, old, new)``.
-        [`guard()`][gradaccum.sync.AllReduce.guard] hands it to a fused torch optimizer.
+        [`guard()`][gradaccum.sync.AllReduce.guard] hands it to a fused torch optimizer. The
+        flag of the gradients' device is set at the boundary, and copied to the other CUDA
+        devices' flags that exist; a CPU flag is not kept while the gradients are on CUDA (the
+        copy would wait for the device). Before the first window the default is the current
+        CUDA device, else the CPU.
+
+        Raises:
+            ValueError: The sync was made without ``defer=True``; ``device`` is not a device
+                this process has, or is ``"meta"``.
+            TypeError: ``device`` is neither ``None``, a ``str``, an ``int`` nor a
+                ``torch.device``.
 
         Examples:
             >>> import gradaccum
             >>> gradaccum.all_reduce(defer=True).found_inf("cpu")
             tensor(0.)
         """
+        where = f"{type(self).__name__}.found_inf(device)"
+        if not self.defer:
+            raise ValueError(
+                f"{where}: this sync reads each boundary on the host and raises there (defer="
+                f"False), so it keeps no flag; make it with defer=True for one."
+            )
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return self._deferred.flag(torch.device(device))
+            last = self._deferred.last
+            device = last if last is not None else "cuda" if torch.cuda.is_available() else "cpu"
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise TypeError(
+                f"{where}: device must be None, a str, an int or a torch.device, got "
+                f"{describe(device)}; pass e.g. found_inf('cuda:0'), or leave it out for the "
+                f"gradients' device."
+            )
+        try:
+            made = torch.device(device)
+            if made.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available")
+        except RuntimeError as err:
+            raise ValueError(
+                f"{where}: device={device!r} is not a device of this process ({err}); pass the "
+                f"device the gradients are on, or leave it out."
+            ) from err
+        try:
+            return self._deferred.flag(made)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
 
     def verify(self) -> None:
         """Read the last window's deferred checks on the host; raise if it was bad.
