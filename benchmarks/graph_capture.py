@@ -207,7 +207,7 @@ def make_window(
 
 
 def made_sync(name: str, opt: torch.optim.Optimizer) -> Any:
-    """The variant's sync: none, ``all_reduce()``, or ``all_reduce(defer=True)`` guarding ``opt``."""
+    """The sync: none, ``all_reduce()``, or ``all_reduce(defer=True)`` guarding ``opt``."""
     if name.endswith("-defer"):
         sync = gradaccum.all_reduce(defer=True)
         sync.guard(opt)  # the fused step skips a bad window on the device
