@@ -21,7 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist import run, values
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.func import functional_call
 
 import gradaccum
@@ -507,3 +510,59 @@ def test_a_tree_changed_on_one_rank_as_the_order_is_agreed_is_named_on_every_ran
         assert "disagree" in log[1][2], log[1]
         assert "2.bias" in log[1][2], log[1]
     assert sizes0 == sizes1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 13),
+    n=st.integers(1, 5),
+    reduction=st.sampled_from(["mean", "sum", "count"]),
+    fast=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_deferred_equals_the_eager_boundary_for_any_window(
+    rows: int, n: int, reduction: str, fast: bool, seed: int
+) -> None:
+    """Any rows (0 too), n, reduction and path: the same gradient as the eager boundary, and a
+    flag of 1 exactly where the eager boundary raises (a mean or count with nothing to divide)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(4, 2, generator=g, dtype=torch.float64)
+        x = torch.randn(rows, 4, generator=g, dtype=torch.float64)
+        counts = torch.randint(0, 3, (rows,), generator=g).to(torch.float64)
+
+        def loss(p: Any, b: Any) -> Any:
+            xs, cs = b
+            per_row = (xs @ p["w"]).pow(2).sum(-1) * cs
+            if reduction == "count":
+                return per_row.sum(), cs.sum()
+            return per_row.sum() if reduction == "sum" else per_row.mean()
+
+        has_aux = reduction == "count"
+        grad_fn = (gradaccum.grad if fast else torch.func.grad)(loss, has_aux=has_aux)
+        kwargs: dict[str, Any] = {"reduction": reduction}
+        if reduction == "count":
+            kwargs["count"] = lambda aux: aux
+        eager_sync, sync = gradaccum.all_reduce(), gradaccum.all_reduce(defer=True)
+        eager = gradaccum.accumulate(grad_fn, n, sync=eager_sync, has_aux=has_aux, **kwargs)
+        deferred = gradaccum.accumulate(grad_fn, n, sync=sync, has_aux=has_aux, **kwargs)
+        params = {"w": w}
+        try:
+            want = eager(params, (x, counts))
+        except ValueError:
+            want = None  # nothing to divide by
+        got = deferred(params, (x, counts))
+        flag = sync.found_inf("cpu").item()
+        if want is None:
+            assert flag == 1.0
+            with pytest.raises(ValueError, match="no mean to divide by"):
+                sync.verify()
+        else:
+            assert flag == 0.0
+            if has_aux:
+                want, got = want[0], got[0]
+            torch.testing.assert_close(got["w"], want["w"], rtol=1e-12, atol=1e-12)
+            sync.verify()
+    finally:
+        dist.destroy_process_group()
