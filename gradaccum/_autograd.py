@@ -73,7 +73,7 @@ def holds_inference(tree: Any) -> bool:
     torch.autograd can neither make a leaf of one nor save one for backward, outside inference
     mode; ``torch.func.grad`` differentiates through them: the fast path hands them to it.
     """
-    return any(isinstance(t, torch.Tensor) and t.is_inference() for t in _tree.flatten(tree)[0])
+    return any([isinstance(t, torch.Tensor) and t.is_inference() for t in _tree.flatten(tree)[0]])
 
 
 class GradFn:

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_kinds",
             "_layout",
             "_autograd",
+            "_hooks",
             "_metrics",
         },
     ),

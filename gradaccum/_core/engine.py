@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .. import _reduce, _tree
+from .. import _hooks, _reduce, _tree
 from .._autograd import (
     CheckpointGuard,
     GradFn,
@@ -328,8 +328,10 @@ class WindowRun:
         fn, lay, batch_argnum = opts.fast, window.layout, opts.batch_argnum
         # Per leaf: a leaf that accumulates in its own dtype takes its gradient in place, whatever
         # the other leaves' dtypes; only the others (and streamed ones) run a hook per backward.
+        # (streams(i) asked only of a window that overrides it: no Python call per leaf else)
+        asks = type(window).streams is not Window.streams
         self.native = native = [
-            acc == dt and not window.streams(i)
+            acc == dt and not (asks and window.streams(i))
             for i, (acc, dt) in enumerate(zip(lay.accum_dtypes, lay.dtypes))
         ]
         self.seeded = lay.same_dtypes or any(native)
@@ -368,10 +370,8 @@ class WindowRun:
             if self.divisor and not window.hint:  # prescale: the sums are the mean already
                 self.weight = 1
         finally:
-            for h in self.hooks:
-                h.remove()
-            for h in self.first.values():
-                h.remove()
+            _hooks.remove(self.hooks)
+            _hooks.remove(self.first.values())
             for leaf in self.leaves:
                 leaf.grad = None
 
@@ -401,8 +401,7 @@ class WindowRun:
         """Fresh autograd leaves for micro-step ``j``'s params; the args that hold them."""
         window, native = self.window, self.native
         assert window is not None
-        for h in self.hooks:
-            h.remove()
+        _hooks.remove(self.hooks)
         self.hooks.clear()
         for leaf in self.leaves:
             leaf.grad = None
@@ -410,17 +409,22 @@ class WindowRun:
         new_args, leaves, _ = self.opts.fast.alias(self.call, args)
         self.leaves = leaves
         self.plain = plain_tensors(leaves)
-        self.hooks.extend(
-            _hook(leaf, self._on_grad, i) for i, leaf in enumerate(leaves) if not native[i]
-        )
+        other = [i for i, on in enumerate(native) if not on]
+        if other:
+            self.hooks += _hooks.register(
+                [leaves[i] for i in other], [functools.partial(self._on_grad, i) for i in other]
+            )
         if j == 0 and not self.zeroed:
             if window.sums is not None:  # storage up front: move each first gradient into it
-                for i, leaf in enumerate(leaves):
-                    if native[i]:
-                        self.first[i] = _hook(leaf, self._on_first, i)
+                firsts = [i for i, on in enumerate(native) if on]
+                removers = _hooks.register(
+                    [leaves[i] for i in firsts],
+                    [functools.partial(self._on_first, i) for i in firsts],
+                )
+                self.first.update(zip(firsts, removers))
         else:  # autograd adds into the running sums (zeros before the first backward)
             if j == 0:
-                self.adopted.update(i for i in range(len(leaves)) if native[i])
+                self.adopted.update([i for i, on in enumerate(native) if on])
             sums = window.sums
             assert sums is not None
             for i, leaf in enumerate(leaves):
@@ -436,16 +440,16 @@ class WindowRun:
         """
         first = self.first
         self.reporting = True
-        self.hooks.extend(
-            _hook(leaf, self._on_ready, i) for i, leaf in enumerate(self.leaves) if i not in first
+        report = [i for i in range(len(self.leaves)) if i not in first]
+        self.hooks += _hooks.register(
+            [self.leaves[i] for i in report], [functools.partial(self._on_ready, i) for i in report]
         )
 
     def _adopt_first(self) -> None:
         """After the first backward: the native leaves' gradients become the running sums."""
         window = self.window
         assert window is not None
-        for h in self.first.values():
-            h.remove()
+        _hooks.remove(self.first.values())
         self.first.clear()
         native, adopted = self.native, self.adopted
         for i, leaf in enumerate(self.leaves):
@@ -471,11 +475,6 @@ class WindowRun:
     def _on_ready(self, i: int, _leaf: torch.Tensor) -> None:
         """During the last backward: leaf ``i``'s running sum is final."""
         self.window.ready(i)  # type: ignore[union-attr]
-
-
-def _hook(leaf: torch.Tensor, method: Callable[[int, torch.Tensor], None], i: int) -> Any:
-    """Call ``method(i, leaf)`` after each gradient is accumulated into ``leaf``."""
-    return leaf.register_post_accumulate_grad_hook(functools.partial(method, i))  # type: ignore[no-untyped-call]
 
 
 def _with_params(args: tuple[Any, ...], argnum: int | None, params: Any, given: Any) -> Any:

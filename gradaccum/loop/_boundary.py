@@ -175,7 +175,7 @@ def close(step: Any) -> StepStats:
         grads, norm = clip_by_global_norm(grads, step.clip)
     else:
         leaves = _tree.flatten(grads)[0]
-        wide = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+        wide = torch.float64 if torch.float64 in {g.dtype for g in leaves} else torch.float32
         norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
         norm = torch.linalg.vector_norm(torch.stack(norms))
     for k, p, count in zip(names, params, m["used"]):

@@ -5,10 +5,11 @@ started, followed between windows, refused in the middle of one) and runs each m
 backward into the window's running sums.
 
 The fast path (every sum in its parameter's dtype): ``Step.add`` runs ``backward()`` into the
-window that ``Accumulator._live`` opened at the window's first micro-batch (``open``). That
-backward's gradients become the sums (``Window.adopt``, from a hook as each is produced: into
-the flat buckets under ``all_reduce()``), the parameters' ``.grad`` point at them, and the later
-backwards add in place. Every trainable parameter has a hook until a backward of the window
+window that ``Accumulator._live`` opened at the window's first micro-batch (``open``). The
+parameters' ``.grad`` point at the window's zeroed storage when its sync makes it up front (the
+flat buckets under ``all_reduce()``), and every backward adds in place; otherwise the first
+backward's gradients become the sums (``Window.adopt``, from a hook as each is produced) and the
+later ones add in place. Every trainable parameter has a hook until a backward of the window
 first reaches it: that is the ``used`` metric (``backward`` returns its mask). Other sums
 (another dtype) take the generic path (``generic``): ``torch.autograd.grad``, then the
 window's ``add``.
@@ -22,11 +23,12 @@ count that is 0 exactly when no micro-batch reached it), ``saves`` (``loop._boun
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, cast
 
 import torch
 
-from .. import _metrics, _tree
+from .. import _hooks, _metrics, _tree
 from .._autograd import backward, plain_tensors
 from .._core.accumulator import Accumulator
 from .._core.protocol import Window
@@ -68,8 +70,9 @@ class MicroSteps:
         self.fast = False
         self._slot: list[int] = []  # each trainable parameter's leaf in the window's layout
         self.win: Window | None = None  # the window in progress, once a micro-batch opened it
-        self._first: list[Any] = []  # per parameter: its hook until a backward of the window
-        self._hit: list[int] = []  # the parameters those hooks saw in the running backward
+        self._first: list[Any] = []  # per parameter: its hook's remover until a backward of the
+        # window reaches it
+        self._hit: dict[int, torch.Tensor] = {}  # the parameters those hooks saw in this backward
         self._adopting = False  # the window's first backward: its gradients become the sums
         self._seeds: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -168,11 +171,14 @@ class MicroSteps:
     def open(self, where: str, state: AccumState[Any]) -> Window:
         """The window in progress, opened at its first micro-batch (or after a resume).
 
-        A new window keeps its first backward's gradients as its sums (a bucket's view under
-        ``all_reduce()``: moved there by a hook as each is produced, as ``accumulate`` does);
-        restored sums (a checkpoint's window) become the parameters' ``.grad`` at once. Either
-        way every trainable parameter gets a hook that tells, once per window, that a backward
-        reached it (the ``used`` metric).
+        A new window's backwards run into zeroed storage, when its sync makes it up front
+        (``Window.prepare``: the flat buckets under ``all_reduce()``): the parameters' ``.grad``
+        point at it from the start, as at a restored window (a checkpoint's sums). Otherwise
+        the first backward's gradients become the sums (``Window.adopt``, from a hook as each is
+        produced, as ``accumulate`` does). Either way every trainable parameter gets a hook that
+        tells, once per window, that a backward reached it (the ``used`` metric): a C callable
+        (``operator.setitem`` into ``_hit``), registered and removed in C (``_hooks``), unless it
+        adopts.
         """
         window = self.win
         if window is not None:
@@ -182,26 +188,32 @@ class MicroSteps:
             for p in params:  # (what the user left there would be added into the sums)
                 p.grad = None
         window = self.acc._live(where, state)
-        if state.sums is None:
-            window.prepare(zero=False)
-            self._adopting = True
-        else:
+        hit = self._hit
+        if state.sums is not None:  # restored sums
             sums = state.sums
             for k, p in zip(self.names, params):
                 p.grad = sums[k]
+        elif window.prepare(zero=False):  # zeroed storage: every backward adds into it
+            storage = window.sums
+            assert storage is not None
+            for p, leaf in zip(params, self._slot):
+                p.grad = storage[leaf]
+        else:
+            self._adopting = True
+        if self._adopting:
+            marks = [functools.partial(self._on_first, i) for i in range(len(params))]
+        else:
+            marks = [functools.partial(operator.setitem, hit, i) for i in range(len(params))]
         self.win = window
-        self._hit.clear()
-        self._first = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_first, i))  # type: ignore[no-untyped-call]
-            for i, p in enumerate(params)
-        ]
+        hit.clear()
+        self._first = _hooks.register(params, marks)
         return window
 
     def _on_first(self, i: int, p: torch.Tensor) -> None:
-        """A backward reached parameter ``i``, for the first time in the window."""
+        """A backward reached parameter ``i``, for the first time in the window (adopting)."""
         if self._adopting:  # its first gradient: moved into the window's storage
             p.grad = self.win.adopt(self._slot[i], p.grad)  # type: ignore[union-attr]
-        self._hit.append(i)
+        self._hit[i] = p
 
     def _seed(self, value: torch.Tensor, scale: Any) -> torch.Tensor:
         """``scale`` (a number, or a ``Mean``'s tensor ``n``) as the seed of ``value``'s backward.
@@ -240,7 +252,7 @@ class MicroSteps:
             return self.on_device("no new use", (0.0,) * len(params))
         first = self._first
         for i in hit:
-            first[i].remove()
+            first[i]()
             first[i] = None
         reached = tuple(sorted(hit))
         hit.clear()
@@ -258,9 +270,7 @@ class MicroSteps:
         if self.win is not None:
             for p in self.params:
                 p.grad = None
-        for h in self._first:
-            if h is not None:
-                h.remove()
+        _hooks.remove(self._first)
         self._first = []
         self._hit.clear()
         self.win = None
