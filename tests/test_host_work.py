@@ -6,12 +6,12 @@ more than a hand-written ``loss.backward()`` loop, at 4 and at 8 transformer blo
 backward's inputs used to cost 2 calls per parameter per micro-batch: 150 / 246 calls).
 
 Per window (the optimizer step, the boundary, the hooks of the window's first and last
-backwards), the extra calls grow with the model by at most a few per parameter: 8 blocks have
-48 parameters more than 4. ``loop.Step`` registers its hooks in C (``gradaccum._hooks``) and
-pays 1 call per parameter (the boundary's check that its buckets are the storage's views, in
-``sync/_all_reduce.py``); ``accumulate`` 3 (that check, and ``ready`` with its hook, which
-launches the overlapped buckets). They used to be 7 and 19 (336 and 921 calls more at 8
-blocks).
+backwards), the extra calls do not grow with the parameters: 8 blocks have 48 parameters more
+than 4. Hooks are registered in C (``gradaccum._hooks``); ``loop.Step`` marks the parameters a
+backward reached in C; ``AllReduce`` checks a bucket once, not each leaf, in the last backward
+(``ready_hooks``). What is left grows with the buckets (the 8-block model has one more: one more
+collective, about 40 calls). They used to grow by 7 and 19 calls per parameter (336 and 921
+calls more at 8 blocks).
 """
 
 import json
@@ -26,9 +26,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "calls.py"
 PATHS = ("accumulate", "loop.Step")
 
 # The most extra Python calls per window, at 8 blocks less at 4 (48 parameters more), and at
-# either size; measured: accumulate 181 (438 / 619), loop.Step 48 (348 / 396).
-GROWTH = {"accumulate": 200, "loop.Step": 60}
-PER_WINDOW = {"accumulate": 700, "loop.Step": 450}
+# either size; measured: accumulate 39 (278 / 317: one bucket more), loop.Step 0 (293 / 293).
+GROWTH = {"accumulate": 60, "loop.Step": 15}  # measured 39 (one bucket more) and 0
+PER_WINDOW = {"accumulate": 400, "loop.Step": 400}  # measured 278-317 and 293
 
 
 @pytest.fixture(scope="module")

@@ -441,9 +441,10 @@ class WindowRun:
         first = self.first
         self.reporting = True
         report = [i for i in range(len(self.leaves)) if i not in first]
-        self.hooks += _hooks.register(
-            [self.leaves[i] for i in report], [functools.partial(self._on_ready, i) for i in report]
-        )
+        hooks = self.window.ready_hooks(report)  # type: ignore[union-attr]
+        if hooks is None:
+            hooks = [functools.partial(self._on_ready, i) for i in report]
+        self.hooks += _hooks.register([self.leaves[i] for i in report], hooks)
 
     def _adopt_first(self) -> None:
         """After the first backward: the native leaves' gradients become the running sums."""

@@ -303,6 +303,15 @@ class Window:
     def ready(self, i: int) -> None:
         """During the last backward (with ``overlap``): leaf ``i``'s running sum is final."""
 
+    def ready_hooks(self, report: list[int]) -> list[Any] | None:
+        """Optional (with ``overlap``): the hooks to put on leaves ``report`` for the last backward.
+
+        ``None`` (the default): one per leaf that calls ``ready(i)``. A window may return its
+        own, one per leaf in ``report`` (each called with the leaf), e.g. C-level marks for most
+        and a Python hook for a few: ``AllReduce`` checks a bucket once, not each leaf.
+        """
+        return None
+
     def step(self) -> None:
         """A micro-batch's gradients are all in."""
 

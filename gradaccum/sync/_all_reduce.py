@@ -6,6 +6,8 @@ per bucket; docs/sync.md ("What gradaccum does instead") describes the mechanism
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,6 +58,8 @@ class AllReduce(Deferring, Sync):
     _totals: dict[Any, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     # Flat buckets kept between windows, as DDP keeps its buckets (see BucketWindow.storage).
     _spare: dict[Any, Spare] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Per plan (by id, the plan kept): what ready() needs of it (_leaf_maps).
+    _maps: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     # defer=True: the flags, the last window's status on its way to the host, the agreed layout.
     _deferred: Deferred = field(default_factory=Deferred, init=False, repr=False, compare=False)
 
@@ -84,6 +88,15 @@ class AllReduce(Deferring, Sync):
         buckets = self._plan(make_layout(where, params, accum_dtype)).buckets
         dim = axis(where, self.group).dim if is_mesh(self.group) else None
         return tuple(replace(b, collectives=(("all_reduce", dim),)) for b in buckets)
+
+    def _leaf_maps(self, plan: Plan) -> tuple[list[int], dict[int, int], list[int]]:
+        """Per bucket its leaf count, each leaf's bucket, each bucket's last leaf (cached)."""
+        got = self._maps.get(id(plan))
+        if got is None or got[0] is not plan:
+            of = {i: k for k, m in enumerate(plan.members) for i in m}
+            maps = ([len(m) for m in plan.members], of, [m[-1] if m else -1 for m in plan.members])
+            got = self._maps[id(plan)] = (plan, maps)
+        return got[1]
 
     def _plan(self, lay: Any) -> Plan:
         """The plan for a gradient layout (cached)."""
@@ -249,7 +262,7 @@ class BucketWindow(Window):
             self.sums = self.storage(zero=True)
         plan, sums = self.plan, self.sums
         own = self.own
-        if own is not None and all(a is b for a, b in zip(sums, own[1])):
+        if own is not None and all(map(operator.is_, sums, own[1])):  # in C: no call per leaf
             self.bufs = list(own[0])  # the views storage() made: no need to check them
         else:
             self.own = None
@@ -257,8 +270,9 @@ class BucketWindow(Window):
                 bucket_of([sums[i] for i in members], offsets, b, b.numel + self.extra * b.tail)
                 for b, members, offsets in zip(plan.buckets, plan.members, plan.offsets)
             ]
-        self.remaining = [len(m) for m in plan.members]
-        self.bucket_of_leaf = {i: k for k, m in enumerate(plan.members) for i in m}
+        # Per bucket, the leaves reported final in the last backward (ready, or a C-level mark).
+        self.marks: list[dict[int, Any]] = [{} for _ in plan.members]
+        self.sizes, self.bucket_of_leaf, self.last_of = self.sync._leaf_maps(plan)
         if self.defer and not self.steady and self.sync.check != "never":
             self.sync._deferred.agreed = self._agreed()
 
@@ -311,13 +325,43 @@ class BucketWindow(Window):
         if self.reorder:
             self.seen.append(i)
         k = self.bucket_of_leaf[i]
-        self.remaining[k] -= 1
-        if self.remaining[k] == 0:
-            while len(self.works) < len(self.order) - (0 if self.sealed else 1):
-                nxt = self.order[len(self.works)]
-                if self.remaining[nxt] > 0 or self.bufs[nxt] is None:
-                    break
-                self._launch(nxt)
+        marks = self.marks[k]
+        marks[i] = True
+        if len(marks) == self.sizes[k]:
+            self._launch_ready()
+
+    def ready_hooks(self, report: list[int]) -> list[Any] | None:
+        """In the agreed bucket order, one Python hook per bucket, not per leaf.
+
+        Each leaf but the last to become final in its bucket (in the agreed order) marks itself
+        in C (``operator.setitem``, no Python call); the last one's hook launches what is then
+        complete. A bucket whose leaves come in another order is launched at the boundary,
+        whole: never before all of its leaves are marked. The first window records the order,
+        leaf by leaf (``None``: the core's per-leaf ``ready``).
+        """
+        if self.reorder:
+            return None
+        of, last, marks = self.bucket_of_leaf, self.last_of, self.marks
+        return [
+            functools.partial(self._ready_bucket, of[i])
+            if last[of[i]] == i
+            else functools.partial(operator.setitem, marks[of[i]], i)
+            for i in report
+        ]
+
+    def _ready_bucket(self, k: int, _leaf: torch.Tensor) -> None:
+        """The leaf expected last in bucket ``k`` is final: launch what is complete, in order."""
+        self.marks[k][self.last_of[k]] = True
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in order, every bucket whose leaves are all final (the tail once sealed)."""
+        marks, sizes, order = self.marks, self.sizes, self.order
+        while len(self.works) < len(order) - (0 if self.sealed else 1):
+            nxt = order[len(self.works)]
+            if len(marks[nxt]) < sizes[nxt] or self.bufs[nxt] is None:
+                break
+            self._launch(nxt)
 
     def _launch(self, k: int) -> None:
         buf = self.bufs[k]
