@@ -136,6 +136,89 @@ def test_ranks_that_save_differently_fail_the_window_on_every_rank() -> None:
         assert all(torch.equal(a, b) for a, b in zip(snaps[1][0], snaps[2][0])), rank
 
 
+def _schedules(rank: int, world: int, kind: str, fails: dict[tuple[int, int], str]) -> Any:
+    """``Step`` + defer under ``kind`` of scheduler; ``fails[(window, rank)]``: where that rank
+    fails in that window (``"loss"``: its 2nd micro-batch; ``"save"``: every rank calls
+    ``Step.state_dict()`` before the window, which reads the last window's checks)."""
+    model = Net().double()
+    if kind == "cyclic":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            model.parameters(), lr=0.05, momentum=0.9, fused=True
+        )
+        sched: Any = torch.optim.lr_scheduler.CyclicLR(opt, 0.01, 0.1, step_size_up=2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20)
+    now = [-1, 0]
+
+    def loss(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        now[1] += 1
+        if fails.get((now[0], rank)) == "loss" and now[1] == 2:
+            raise RuntimeError("injected fault")
+        x, y = batch
+        return ((m(x, False) - y) ** 2).mean()
+
+    step = Step(model, loss, opt, scheduler=sched, sync=gradaccum.all_reduce(defer=True))
+    log, groups, params = [], [], []
+    for w in range(8):
+        now[:] = [w, 0]
+        x, y = _batch(w, rank)
+        try:
+            if "save" in (fails.get((w, 0)), fails.get((w, 1))):
+                step.state_dict()  # on every rank, before the window (as loop.save is called)
+            for xs, ys in zip(x.chunk(N), y.chunk(N)):
+                step.add((xs, ys))
+            stats = step.apply()
+            log.append((w, "ok", float(stats.items)))
+        except Exception as err:  # noqa: BLE001
+            log.append((w, type(err).__name__, str(err)[:200]))
+        groups.append([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+        params.append([p.detach().clone() for p in model.parameters()])
+    return log, groups, params, [s for s in log if s[1] == "ok"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "fails"),
+    [
+        ("onecycle", {(2, 1): "loss"}),  # OneCycleLR sets betas too
+        ("cyclic", {(2, 1): "loss"}),  # CyclicLR sets momentum too
+        ("onecycle", {(2, 1): "loss", (3, 0): "loss"}),  # two in a row, on either rank
+        ("onecycle", {(2, 1): "loss", (3, 0): "save"}),  # the bad window read by state_dict()
+    ],
+    ids=["onecycle", "cyclic", "two-in-a-row", "read-by-state_dict"],
+)
+def test_the_ranks_schedules_and_parameters_stay_together(kind: str, fails: Any) -> None:
+    (log0, groups0, params0, ok0), (log1, groups1, params1, ok1) = values(
+        run(_schedules, kind, fails)
+    )
+    assert groups0[-1] == groups1[-1], (groups0[-1], groups1[-1])
+    assert all(torch.equal(a, b) for a, b in zip(params0[-1], params1[-1]))
+    assert ok0[-1][0] == ok1[-1][0] == 7, (log0, log1)  # the run goes on, in step, to the end
+    assert [e[2] for e in ok0 if e[0] >= 5] == [12.0, 12.0, 12.0], log0  # windows whole again
+
+
+def _items(rank: int, world: int) -> Any:
+    model = Net().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    step = Step(
+        model, lambda m, b: m(b[0], False).pow(2).mean(), opt, sync=gradaccum.all_reduce(defer=True)
+    )
+    kept = []
+    for w in range(3):
+        x, y = _batch(w, rank)
+        x, y = x[: w + 2], y[: w + 2]  # items 4, 6, 8 over the ranks
+        for xs, ys in zip(x.chunk(w + 1), y.chunk(w + 1)):
+            step.add((xs, ys))
+        kept.append(step.apply())
+    return [(float(s.items), int(s.micro_batches), s.micro_batches.dtype) for s in kept]
+
+
+def test_stats_keep_their_own_values() -> None:
+    """Read after the run: each window's own (not a buffer the next window rewrote)."""
+    for out in values(run(_items)):
+        assert out == [(4.0, 2, torch.int64), (6.0, 4, torch.int64), (8.0, 4, torch.int64)]
+
+
 def _last_window(rank: int, world: int) -> Any:
     model = Net().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)

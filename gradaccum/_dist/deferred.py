@@ -109,6 +109,9 @@ class Deferred:
         self.agreed: Agreed | None = None
         self.guarded: weakref.WeakSet[Any] = weakref.WeakSet()
         self.last: torch.device | None = None  # the device of the last window's gradients
+        # Called with a bad window's Pending before its error is raised, wherever it is read
+        # (loop.Step puts back its scheduler): weak, so a Step let go is not kept.
+        self.on_bad: list[weakref.WeakMethod[Any]] = []
 
     def flag(self, device: torch.device) -> torch.Tensor:
         """The persistent flag of ``device`` (created at 0.0)."""
@@ -196,6 +199,8 @@ class Deferred:
             with torch.inference_mode(False), torch.no_grad():
                 for g in optimizer.param_groups:
                     for p in g["params"] if g["momentum"] else ():
+                        if not p.requires_grad:  # never stepped: no buffer (torch's neither)
+                            continue
                         # Zeros make the first step's buffer momentum * 0 + grad: the grad, as
                         # the first step's copy of it (dampening is 0).
                         optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
@@ -247,7 +252,8 @@ class Deferred:
                 buf.host.copy_(status)
         self.pending = Pending(where, window, buf.host, event, comm, own, reduction, captured)
         self.last = tail.device
-        return total.to(tail.dtype), divisor.to(tail.dtype)
+        # Copies: the status buffer is the next window's too (the caller keeps these).
+        return total.to(tail.dtype, copy=True), divisor.to(tail.dtype, copy=True)
 
     def settle(self, where: str) -> None:
         """Read the last window's status (an earlier window's work); raise if it was bad.
@@ -271,6 +277,14 @@ class Deferred:
         else:
             self.pending = None
             total, failed, differ, extra = comm.fetch(pending.host, pending.event)
+        bad = pending.own or failed or differ or extra
+        if bad or (pending.reduction != "sum" and not total > 0):
+            for ref in list(self.on_bad):
+                callback = ref()
+                if callback is None:
+                    self.on_bad.remove(ref)
+                else:
+                    callback(pending)
         w = pending.window
         skipped = self._skipped()
         if pending.own:

@@ -26,7 +26,7 @@ from .._errors import GradAccumError
 from ..boundary import clip_by_global_norm
 from ._feed import again
 
-__all__ = ["StepStats", "abort", "close", "takes_metric", "with_saves"]
+__all__ = ["StepStats", "abort", "close", "rollback", "takes_metric", "with_saves"]
 
 
 class StepStats(NamedTuple):
@@ -34,10 +34,13 @@ class StepStats(NamedTuple):
 
     The sums are over every micro-batch of every rank, read from the boundary collective that
     already reduces the gradients. After a deferred boundary (``sync=all_reduce(defer=True)``)
-    nothing is read: ``loss``, ``items``, ``micro_batches`` and ``grad_norm`` (and ``lr``, when
-    the optimizer's is a tensor) are 0-dim tensors on the gradients' device, read only where
-    they are used (``float(stats.loss)``, ``f"{stats.loss:.4f}"``, a comparison); they format,
-    compare and compute as the numbers do, but ``json.dumps`` wants ``float(...)`` first
+    nothing is read: ``loss``, ``items`` and ``grad_norm`` are 0-dim float64 (``grad_norm``:
+    the gradients' dtype) tensors on the gradients' device, ``micro_batches`` an int64 one
+    (and ``lr`` a tensor when the optimizer's is), read only where they are used:
+    ``float(stats.loss)`` and ``int(stats.micro_batches)`` give the default boundary's numbers,
+    and a format spec reads them (``f"{stats.loss:.4f}"``). They are tensors otherwise:
+    ``str()`` shows ``tensor(...)``, a comparison gives a tensor, ``round()`` and
+    ``json.dumps`` want ``float(...)`` first
     ([The deferred boundary](../loop.md#the-deferred-boundary)).
 
     Attributes:
@@ -115,8 +118,8 @@ def close(step: Any) -> StepStats:
             f"gradient to apply; add the window's micro-batches first ({add}), then call "
             f"step.apply()."
         )
-    if step.sync is not None and step.sync.defer:
-        settle(step, where)
+    if step.sync is not None and step.sync.defer:  # read at the first add(), else here
+        step.sync._settle(where)
     if step.state.micro_step == 0:  # an empty window trains what the other ranks' do
         step.state = micro.follow(where, step.state)
     saves, names, params = step._saves, micro.names, micro.params
@@ -201,28 +204,33 @@ def close(step: Any) -> StepStats:
     return StepStats(totals.window, loss, items, micro_batches, grad_norm, lr, seconds)
 
 
-def settle(step: Any, where: str) -> None:
-    """A deferred sync: the last window's checks, before this window's first collective.
+def rollback(step: Any, pending: Any) -> None:
+    """A bad window was read (wherever: ``apply``, ``add``, ``verify``, ``loop.save``).
 
-    A bad window raises here on every rank; this window's micro-batches stay (``apply()``
-    again closes it). A rank that stepped its scheduler for the bad window (the fused step
-    skipped it on the device) puts the scheduler and the learning rates back, so that every
-    rank's schedule stays where the rank that failed left its own.
+    If this rank stepped its scheduler for that window (the fused step skipped it on the
+    device), the scheduler and every hyperparameter of the optimizer's groups (``lr``, and the
+    ``betas`` or ``momentum`` some schedulers set) go back to what they were before, so that
+    every rank's schedule stays where the rank that failed left its own.
     """
-    before, undo = step.sync._pending(), step._undo
-    step._undo = None
-    try:
-        step.sync._settle(where)
-    except (GradAccumError, ValueError):
-        if undo is not None and undo[0] is before:
-            scheduler_state, lrs = undo[1]
-            step.scheduler.load_state_dict(scheduler_state)
-            for group, lr in zip(step.optimizer.param_groups, lrs):
-                if isinstance(lr, torch.Tensor):
-                    group["lr"].copy_(lr)
-                else:
-                    group["lr"] = lr
-        raise
+    undo, step._undo = step._undo, None
+    if undo is None or undo[0] is not pending:
+        return
+    scheduler_state, groups = undo[1]
+    step.scheduler.load_state_dict(scheduler_state)
+    for group, kept in zip(step.optimizer.param_groups, groups):
+        for key, value in kept.items():
+            if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                group[key].copy_(value)
+            else:
+                group[key] = value
+
+
+def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (all but ``params``), tensors copied."""
+    return [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
 
 
 SAVES = (
@@ -252,7 +260,9 @@ def close_deferred(step: Any, grads: Any, raw: Any, reached_all: bool) -> StepSt
         o += width
     saves = flat[at["saves"]]
     step.sync._fail_if(saves[0] * saves[2] != saves[1] * saves[1], SAVES)
-    loss_sum, micro_batches = flat[at["loss"]][0], flat[at["micro_batches"]][0]
+    # In float64, as the default boundary's numbers are divided on the host.
+    loss_sum, items = flat[at["loss"]][0].double(), items.double()
+    micro_batches = flat[at["micro_batches"]][0].round().long()
     if step.clip is not None:
         grads, norm = clip_by_global_norm(grads, step.clip)
     else:
@@ -272,12 +282,8 @@ def close_deferred(step: Any, grads: Any, raw: Any, reached_all: bool) -> StepSt
     lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
     loss = loss_sum if step.reduction == "sum" else loss_sum / items
     optimizer.step()  # skips on the device where the window's flag is 1
-    if scheduler is not None:  # what settle() puts back, if this window turns out bad
-        lrs = [
-            g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
-            for g in optimizer.param_groups
-        ]
-        step._undo = (step.sync._pending(), (scheduler.state_dict(), lrs))
+    if scheduler is not None:  # what rollback() puts back, if this window turns out bad
+        step._undo = (step.sync._pending(), (scheduler.state_dict(), hyperparameters(optimizer)))
         if step._plateau:
             scheduler.step(float(loss))  # a number every window: the one read it costs
         else:

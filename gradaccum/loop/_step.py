@@ -33,7 +33,7 @@ from .._core.accumulator import Accumulator
 from .._core.protocol import check_sync
 from .._core.state import AccumState
 from .._errors import describe
-from ._boundary import StepStats, abort, close, takes_metric
+from ._boundary import StepStats, abort, close, rollback, takes_metric
 from ._coupled import Coupled, WindowStats
 from ._data import Windows
 from ._feed import Feed, add_window, join_failed
@@ -286,6 +286,8 @@ class Step:
         self._plateau = scheduler is not None and takes_metric(scheduler)
         self._saves = 0  # loop.save calls since the last boundary (carried in its exchange)
         self._undo: Any = None  # deferred: the scheduler as before the last window's step
+        if sync is not None and sync.defer:
+            sync._on_bad(self._rollback)
         self._since: float | None = None
         self._micro = MicroSteps(self.acc, model)  # the trainable parameters, the backwards
         self.state = self._micro.train(where, None)
@@ -293,6 +295,10 @@ class Step:
         if isinstance(hooks, list):  # one step per data: a step built before is let go
             hooks[:] = [h for h in hooks if not isinstance(getattr(h, "__self__", None), Step)]
             hooks.append(self._failed_data)
+
+    def _rollback(self, pending: Any) -> None:
+        """A deferred sync read a bad window: put back what this rank's apply() stepped."""
+        rollback(self, pending)
 
     @property
     def window(self) -> int:
@@ -338,6 +344,10 @@ class Step:
         if self._since is None:
             self._since = time.perf_counter()
         micro = self._micro
+        if self.state.micro_step == 0 and self.sync is not None and self.sync.defer:
+            # The last window's checks, before anything of this one: every rank reads them at
+            # its first add() (or apply(), if it has none), and raises there for a bad window.
+            self.sync._settle(where)
         began = False
         try:
             self.state = state = micro.follow(where, self.state)

@@ -9,6 +9,7 @@ optimizer, [`found_inf()`][gradaccum.sync.AllReduce.found_inf] returns it, and
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -150,3 +151,7 @@ class Deferring:
     def _pending(self) -> Any:
         """The last window's status, not read yet (``None``: nothing pending)."""
         return self._deferred.pending
+
+    def _on_bad(self, callback: Any) -> None:
+        """Call ``callback(pending)`` (a bound method, held weakly) for each bad window read."""
+        self._deferred.on_bad.append(weakref.WeakMethod(callback))
