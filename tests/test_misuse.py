@@ -21,8 +21,9 @@ loop run, are pinned next to their behaviour: tests/test_loop_*.py, test_distrib
 Cases tagged ``item=N`` are the bad inputs of the reliability issue (item N of its list),
 ``item="loop"`` those of ``gradaccum.loop`` (issue 26: windows, Step, save and load, where
 "unchanged" covers the step's window, the data position and the files of a checkpoint
-directory); the others existed before them. Distributed paths run in a world of one process
-(gloo, a HashStore).
+directory), ``item="deferred"`` those of the deferred boundary (issue 36: ``all_reduce(defer=)``,
+``guard``, ``found_inf``, ``Step`` over it); the others existed before them. Distributed paths
+run in a world of one process (gloo, a HashStore).
 """
 
 from __future__ import annotations
@@ -3418,7 +3419,204 @@ case(
 # The whole message of a case, character for character: a message changed on purpose is changed
 # here. (Cases without an entry check the words in their ``names`` only.)
 
+# -- the deferred boundary (issue 36, item="deferred") ------------------------------------------
+
+
+def deferred_opt(kind: str = "adamw", **kw: Any) -> NS:
+    model = torch.nn.Linear(3, 1).double()
+    made: dict[str, Any] = {
+        "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=0.1, **kw),
+        "sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1, **kw),
+    }
+    return {"model": model, "opt": made[kind](), "sync": gradaccum.all_reduce(defer=True)}
+
+
+case(
+    "all_reduce-defer-not-bool",
+    dict,
+    lambda ns: gradaccum.all_reduce(defer=1),  # type: ignore[arg-type]
+    TypeError,
+    "defer",
+    item="deferred",
+)
+case(
+    "all_reduce-defer-check-full",
+    dict,
+    lambda ns: gradaccum.all_reduce(defer=True, check="full"),
+    ValueError,
+    "check='full'",
+    "defer=True",
+    item="deferred",
+)
+case(
+    "guard-not-deferred",
+    lambda: {**deferred_opt(fused=True), "sync": gradaccum.all_reduce()},
+    lambda ns: ns["sync"].guard(ns["opt"]),
+    ValueError,
+    "guard(optimizer)",
+    "defer=True",
+    item="deferred",
+)
+case(
+    "guard-not-fused",
+    deferred_opt,
+    lambda ns: ns["sync"].guard(ns["opt"]),
+    ValueError,
+    "found_inf",
+    "fused=True",
+    item="deferred",
+)
+case(
+    "guard-not-an-optimizer",
+    deferred_opt,
+    lambda ns: ns["sync"].guard(ns["model"]),
+    TypeError,
+    "optimizer must be a torch.optim.Optimizer",
+    item="deferred",
+)
+case(
+    "guard-sgd-dampening",
+    lambda: deferred_opt("sgd", momentum=0.9, dampening=0.5, fused=True),
+    lambda ns: ns["sync"].guard(ns["opt"]),
+    ValueError,
+    "dampening",
+    item="deferred",
+)
+case(
+    "guard-a-found_inf-of-its-own",
+    lambda: {**deferred_opt(fused=True), "mine": torch.zeros(())},
+    lambda ns: (setattr(ns["opt"], "found_inf", ns["mine"]), ns["sync"].guard(ns["opt"])),
+    ValueError,
+    "found_inf of its own",
+    "GradScaler",
+    item="deferred",
+)
+case(
+    "found_inf-not-a-device",
+    deferred_opt,
+    lambda ns: ns["sync"].found_inf("nope"),
+    ValueError,
+    "device='nope'",
+    item="deferred",
+)
+case(
+    "found_inf-a-dtype",
+    deferred_opt,
+    lambda ns: ns["sync"].found_inf(torch.float32),
+    TypeError,
+    "device must be None",
+    item="deferred",
+)
+case(
+    "found_inf-meta",
+    deferred_opt,
+    lambda ns: ns["sync"].found_inf("meta"),
+    ValueError,
+    "meta device",
+    item="deferred",
+)
+case(
+    "found_inf-not-deferred",
+    lambda: {"sync": gradaccum.all_reduce()},
+    lambda ns: ns["sync"].found_inf(),
+    ValueError,
+    "found_inf(device)",
+    "defer=True",
+    item="deferred",
+)
+case(
+    "step-defer-not-fused",
+    deferred_opt,
+    lambda ns: gradaccum.loop.Step(
+        ns["model"], lambda m, b: m(b).mean(), ns["opt"], sync=ns["sync"]
+    ),
+    ValueError,
+    "defer=True",
+    "fused=True",
+    item="deferred",
+)
+case(
+    "step-defer-coupled",
+    lambda: deferred_opt(fused=True),
+    lambda ns: gradaccum.loop.Step(
+        ns["model"],
+        gradaccum.loop.Coupled(lambda m, b: m(b), lambda m, b, rows: rows.all.sum()),
+        ns["opt"],
+        sync=ns["sync"],
+    ),
+    ValueError,
+    "Coupled",
+    "defer=True",
+    item="deferred",
+)
+
+
 MESSAGES: dict[str, str] = {
+    "all_reduce-defer-not-bool": (
+        "all_reduce(group, bucket_mb=..., check=..., timeout=...): defer must be a bool, got "
+        "int 1 (builtins.int); pass defer=True or False."
+    ),
+    "all_reduce-defer-check-full": (
+        "all_reduce(group, bucket_mb=..., check=..., timeout=...): check='full' compares every "
+        "window's descriptions on the host, which defer=True exists to avoid; pass "
+        "check='fingerprint' with defer=True (a mismatch still fails the window on every rank), "
+        "or defer=False to have it named."
+    ),
+    "guard-not-deferred": (
+        "AllReduce.guard(optimizer): this sync reads each boundary on the host and raises there "
+        "(defer=False), so it has no flag to hand over; build it with gradaccum.all_reduce(..., "
+        "defer=True) to skip bad windows on the device."
+    ),
+    "guard-not-fused": (
+        "AllReduce.guard(optimizer): AdamW cannot skip a step on the device (its step() does "
+        "not honour found_inf, as GradScaler checks with _step_supports_amp_scaling), so a bad "
+        "window would be applied before any rank could know; build it with fused=True (Adam, "
+        "AdamW, SGD and Adagrad have it), or use all_reduce(defer=False), which reads each "
+        "boundary on the host."
+    ),
+    "guard-not-an-optimizer": (
+        "AllReduce.guard(optimizer): optimizer must be a torch.optim.Optimizer, got Linear; "
+        "pass the optimizer that steps on this sync's gradients."
+    ),
+    "guard-sgd-dampening": (
+        "AllReduce.guard(optimizer): fused SGD with momentum and dampening != 0 cannot skip its "
+        "first step on the device: torch's fused SGD then leaves its momentum buffers "
+        "uninitialised (torch.empty_like), and the next step reads them; use dampening=0, or "
+        "all_reduce(defer=False)."
+    ),
+    "guard-a-found_inf-of-its-own": (
+        "AllReduce.guard(optimizer): the optimizer already has a found_inf of its own (another "
+        "sync's, or a loss scaler's), so it would skip on that one alone; give each optimizer "
+        "one deferred sync, and do not use torch.amp.GradScaler with it (it sets and deletes "
+        "found_inf at every step)."
+    ),
+    "found_inf-a-dtype": (
+        "AllReduce.found_inf(device): device must be None, a str, an int or a torch.device, got "
+        "torch.float32; pass e.g. found_inf('cuda:0'), or leave it out for the gradients' "
+        "device."
+    ),
+    "found_inf-meta": (
+        "AllReduce.found_inf(device): a deferred sync's flag cannot live on the meta device (it "
+        "holds no data); pass the device the gradients are on (materialise the parameters "
+        "first)."
+    ),
+    "found_inf-not-deferred": (
+        "AllReduce.found_inf(device): this sync reads each boundary on the host and raises "
+        "there (defer=False), so it keeps no flag; build the sync with defer=True for one."
+    ),
+    "step-defer-not-fused": (
+        "Step(model, loss, optimizer, ...): sync was made with defer=True: "
+        "AllReduce.guard(optimizer): AdamW cannot skip a step on the device (its step() does "
+        "not honour found_inf, as GradScaler checks with _step_supports_amp_scaling), so a bad "
+        "window would be applied before any rank could know; build it with fused=True (Adam, "
+        "AdamW, SGD and Adagrad have it), or use all_reduce(defer=False), which reads each "
+        "boundary on the host."
+    ),
+    "step-defer-coupled": (
+        "Step(model, loss, optimizer, ...): sync was made with defer=True, and a Coupled loss "
+        "exchanges and reads its window's statistics on the host; pass "
+        "gradaccum.all_reduce(...) without defer=True for it."
+    ),
     "loop.Step-WindowStats-empty-window": (
         "Step.add_window(batches): the window has no micro-batch; window statistics need at "
         "least one; pass a window with at least one micro-batch."
@@ -4654,6 +4852,7 @@ def test_the_catalogue_is_broad() -> None:
     assert len(loop) >= 90
     for call in ("windows", "Step", "Step.add", "save", "load"):
         assert any(c.id.startswith(f"loop.{call}-") for c in loop), call
+    assert len([c for c in CASES if c.item == "deferred"]) >= 13
 
 
 def test_the_snapshot_sees_every_kind_of_change() -> None:

@@ -169,14 +169,14 @@ class Deferred:
         if len(devices) != 1:
             got = sorted(str(d) for d in devices) or "no parameters"
             raise ValueError(
-                f"{where}: the optimizer's parameters must lie on one device, got {got}; guard "
-                f"an optimizer per device."
+                f"{where}: the optimizer's parameters must lie on one device, got {got}; use one "
+                f"optimizer per device, and guard each."
             )
         device = devices.pop()
         if device.type == "meta":
             raise ValueError(
                 f"{where}: the optimizer's parameters are on the meta device, which holds no "
-                f"data; guard it once they are materialised on the device they train on."
+                f"data; call guard() once they are materialised on the device they train on."
             )
         sgd = isinstance(optimizer, torch.optim.SGD)
         if sgd and any(g["momentum"] and g["dampening"] for g in optimizer.param_groups):
@@ -191,9 +191,9 @@ class Deferred:
         if found is not None and found is not flag:
             raise ValueError(
                 f"{where}: the optimizer already has a found_inf of its own (another sync's, or "
-                f"a loss scaler's), so it would skip on that one alone; guard each optimizer "
-                f"with one deferred sync, and do not use torch.amp.GradScaler with it (it sets "
-                f"and deletes found_inf at every step)."
+                f"a loss scaler's), so it would skip on that one alone; give each optimizer one "
+                f"deferred sync, and do not use torch.amp.GradScaler with it (it sets and "
+                f"deletes found_inf at every step)."
             )
         if sgd:  # a skipped first step must not leave the buffers uninitialised (see above)
             with torch.inference_mode(False), torch.no_grad():

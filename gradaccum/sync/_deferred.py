@@ -60,7 +60,7 @@ class Deferring:
         if not self.defer:
             raise ValueError(
                 f"{where}: this sync reads each boundary on the host and raises there (defer="
-                f"False), so it has no flag to hand over; make it with "
+                f"False), so it has no flag to hand over; build it with "
                 f"gradaccum.all_reduce(..., defer=True) to skip bad windows on the device."
             )
         self._deferred.guard(where, optimizer)
@@ -92,7 +92,7 @@ class Deferring:
         if not self.defer:
             raise ValueError(
                 f"{where}: this sync reads each boundary on the host and raises there (defer="
-                f"False), so it keeps no flag; make it with defer=True for one."
+                f"False), so it keeps no flag; build the sync with defer=True for one."
             )
         if device is None:
             last = self._deferred.last
