@@ -266,3 +266,51 @@ def test_step_refuses_what_cannot_skip_on_the_device() -> None:
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     with pytest.raises(ValueError, match="defer=True"):
         Step(model, coupled, opt, sync=sync)
+
+
+def _zero_items(rank: int, world: int, defer: bool, skip: bool) -> Any:
+    """Window 2's losses cover no items (``Sum(loss, 0)``, the loss not 0); ``skip``: no
+    window 2 at all (the reference)."""
+    model = Net().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    now = [-1]
+
+    def loss(m: torch.nn.Module, batch: Any) -> Any:
+        x, y = batch
+        per_row = ((m(x, False) - y) ** 2).sum()
+        return gradaccum.Sum(per_row, 0 if now[0] == 2 else len(x))
+
+    step = Step(model, loss, opt, sync=gradaccum.all_reduce(defer=defer))
+    log: list[Any] = []
+    for w in range(5):
+        if skip and w == 2:
+            continue
+        now[0] = w
+        x, y = _batch(w, rank)
+        batches = list(zip(x.chunk(N), y.chunk(N)))
+        try:
+            try:
+                step.add(batches[0])
+            except ValueError as err:  # deferred: the last window's error, at the first add
+                log.append((w, "raised at add", str(err)[:80]))
+                step.add(batches[0])
+            for mb in batches[1:]:
+                step.add(mb)
+            stats = step.apply()
+            log.append((w, "ok", int(stats.micro_batches), float(stats.items)))
+        except ValueError as err:
+            log.append((w, "raised at apply", str(err)[:80]))
+    return log, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_window_without_items_is_dropped_whole() -> None:
+    """Its micro-batches and sums never flow into the next window (the default boundary raised
+    at apply() and kept them); every run trains as one without that window."""
+    ref = values(run(_zero_items, False, True))
+    for defer in (False, True):
+        out = values(run(_zero_items, defer, False))
+        for rank in range(2):
+            log, params = out[rank]
+            after = [e for e in log if e[0] == 3 and e[1] == "ok"]
+            assert after == [(3, "ok", 6, 12.0)], (defer, log)
+            assert all(torch.equal(a, b) for a, b in zip(params, ref[rank][1])), (defer, log)

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _tree
+from .. import _metrics, _tree
+from .._core.state import pass_on
 from .._errors import GradAccumError
 from ..boundary import clip_by_global_norm
 from ._feed import again
@@ -140,6 +141,14 @@ def close(step: Any) -> StepStats:
     except GradAccumError:
         if step._feed is not None:  # a window taken whole is dropped whole: add it again
             again(step, state)
+        raise
+    except ValueError as err:
+        if step.sync is not None and "no mean to divide by" in str(err):
+            # The window's items add up to 0 over the ranks: every rank raises here, after its
+            # collectives; the window is dropped on every rank and the next one goes on, as in
+            # one process (its sums and micro-batches must not flow into the next window).
+            sig = _metrics.signature(state.metrics)
+            step.state = pass_on(state, step.acc._next(state, state.reduce_state, sig), "apply()")
         raise
     except TypeError as err:
         if "did not report the window's totals" not in str(err):
