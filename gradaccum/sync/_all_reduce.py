@@ -17,12 +17,12 @@ from .. import _metrics, _tree
 from .._checks import Check, check_bool, check_options, check_reduce_dtype, positive
 from .._core.protocol import Sync, Window, WindowSpec
 from .._dist.buckets import TAIL, Bucket, Plan, bucket_of, group_device, leaf_order, make_plan
-from .._dist.comm import FINGERPRINT, Probe, bucket_what, first_diff, to_device
-from .._dist.deferred import Agreed, Deferred, capturing
+from .._dist.comm import Probe, bucket_what, to_device
+from .._dist.deferred import Deferred, capturing
 from .._dist.mesh import axis, check_group
 from .._errors import GradAccumError, describe, is_mesh
 from .._layout import make_layout
-from ._deferred import Deferring
+from ._deferred import DeferredWindow, Deferring
 
 __all__ = ["AllReduce", "Bucket", "all_reduce"]
 
@@ -120,7 +120,7 @@ class AllReduce(Deferring, Sync):
         return BucketWindow(self, spec)
 
 
-class BucketWindow(Window):
+class BucketWindow(DeferredWindow, Window):
     """One window of an all-reduce sync: fingerprint, buckets in plan order, the tail last."""
 
     def __init__(self, sync: AllReduce, spec: WindowSpec) -> None:
@@ -276,39 +276,6 @@ class BucketWindow(Window):
         if self.defer and not self.steady and self.sync.check != "never":
             self.sync._deferred.agreed = self._agreed()
 
-    def _agreed(self) -> Agreed:
-        """What this window sends, in launch order: the layout the ranks now agree on."""
-        named, extra = self.named, self.extra
-        sizes = tuple((b.numel + extra * b.tail, b.dtype, b.device) for b in named)
-        order = tuple(sizes[k] for k in self.order)
-        tail = self.order.index(self.tail_k)
-        return Agreed(self.key, order, (tail, order[tail][0] - TAIL - extra + 1))
-
-    def _refuse(self) -> None:
-        """Deferred: this rank's layout changed and the others disagree; fake the agreed one.
-
-        The others may be steady (they send the agreed buckets without reading): this rank
-        sends buckets of the agreed sizes, zeros with its failure flag set, so that every
-        collective matches, and raises. The others raise at their next window.
-        """
-        deferred, comm = self.sync._deferred, self.comm
-        agreed = deferred.agreed
-        assert agreed is not None
-        self.joined = True
-        deferred.fake(comm, "the boundary all_reduce (of the agreed buckets, zeros)")
-        device = agreed.sizes[agreed.flag_at[0]][2]
-        flag = torch.ones(TAIL, dtype=torch.float64, device=device)
-        deferred.record(self.where, str(self.spec.index), comm, flag, None, "sum", True)
-        mine, theirs = first_diff(self.key, agreed.key)
-        raise GradAccumError(
-            f"{self.where}: this rank's gradients changed from those the ranks last agreed on "
-            f"(it has {mine} where the agreed layout has {theirs}), and the other ranks' "
-            f"fingerprints differ from this rank's. Under defer=True the others do not read the "
-            f"fingerprint before sending, so this rank sent buckets of the agreed sizes, zeros "
-            f"with its failure flag, and raises; the others raise at their next window. Every "
-            f"rank must pass params of the same tree and options in each window."
-        )
-
     def seal(self, weight: Any) -> None:
         """The weight is final: fill the tail now, so that ``ready`` launches its bucket too.
 
@@ -411,26 +378,6 @@ class BucketWindow(Window):
             if self.reorder and not failed:
                 self._agree_order()
         return self.normalised(total)
-
-    def _decide(self, tail: torch.Tensor, failed: bool) -> torch.Tensor:
-        """Deferred: the window's checks into the device's flag, no host read; the divisor.
-
-        The fingerprint's result (sent, not read) joins the flag; the bucket order of a first
-        window is agreed on every rank, a failed one too, since the others do not know yet.
-        """
-        probe, self.held = self.held, None
-        if probe is not None:
-            self.comm.wait(probe.work, FINGERPRINT)
-        self.joined = True
-        where, spec = self.where, self.spec
-        label = f"{spec.index} of epoch {spec.epoch}" if spec.epoch else str(spec.index)
-        total, divisor = self.sync._deferred.record(
-            where, label, self.comm, tail, probe, spec.reduction, failed
-        )
-        self.totals = (total, [tail[TAIL : TAIL + self.extra].clone()])
-        if self.reorder:
-            self._agree_order()
-        return divisor
 
     def abort(self, weight: Any) -> None:
         """As ``Window.abort``, unless the boundary was joined, or skipped on every rank."""

@@ -1,10 +1,12 @@
-"""The public side of a deferred boundary: what a sync made with ``defer=True`` offers its user.
+"""A deferred boundary (``defer=True``) as a sync and its window use it: two mixins.
 
-A mixin for the syncs whose windows defer their checks (``_dist/deferred.py`` holds the state
-and the mechanism): [`guard()`][gradaccum.sync.AllReduce.guard] hands the window flag to a fused
-optimizer, [`found_inf()`][gradaccum.sync.AllReduce.found_inf] returns it, and
-[`verify()`][gradaccum.sync.AllReduce.verify] reads the last window's checks. The sync supplies
-``defer`` and ``_deferred`` (a `Deferred`).
+``_dist/deferred.py`` holds the state and the mechanism. ``Deferring``, the sync's public side:
+[`guard()`][gradaccum.sync.AllReduce.guard] hands the window flag to a fused optimizer,
+[`found_inf()`][gradaccum.sync.AllReduce.found_inf] returns it, and
+[`verify()`][gradaccum.sync.AllReduce.verify] reads the last window's checks (the sync supplies
+``defer`` and ``_deferred``, a `Deferred`). ``DeferredWindow``, the window's side: the layout
+the ranks agree on, the agreed buckets faked by a rank whose layout changed, the boundary
+decided on the device.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any
 
 import torch
 
-from .._dist.deferred import Deferred
-from .._errors import describe
+from .._dist.buckets import TAIL
+from .._dist.comm import FINGERPRINT, Probe, first_diff
+from .._dist.deferred import Agreed, Deferred
+from .._errors import GradAccumError, describe
 
-__all__ = ["Deferring"]
+__all__ = ["DeferredWindow", "Deferring"]
 
 
 class Deferring:
@@ -155,3 +159,83 @@ class Deferring:
     def _on_bad(self, callback: Any) -> None:
         """Call ``callback(pending)`` (a bound method, held weakly) for each bad window read."""
         self._deferred.on_bad.append(weakref.WeakMethod(callback))
+
+
+class DeferredWindow:
+    """The window side of ``all_reduce(defer=True)``, mixed into its ``BucketWindow``.
+
+    What the window records of the layout the ranks agree on, fakes when its own changed and
+    the others disagree, and decides on the device at its boundary. It uses the window's
+    ``sync``, ``comm``, ``spec``, ``where``, ``key``, ``named``, ``extra``, ``order``,
+    ``tail_k``, ``held``, ``joined``, ``totals``, ``reorder`` and ``_agree_order``.
+    """
+
+    sync: Any
+    comm: Any
+    spec: Any
+    where: str
+    key: tuple[str, ...]
+    named: Any
+    extra: int
+    order: list[int]
+    tail_k: int
+    held: Probe | None
+    joined: bool
+    totals: Any
+    reorder: bool
+
+    def _agree_order(self) -> None: ...
+
+    def _agreed(self) -> Agreed:
+        """What this window sends, in launch order: the layout the ranks now agree on."""
+        named, extra = self.named, self.extra
+        sizes = tuple((b.numel + extra * b.tail, b.dtype, b.device) for b in named)
+        order = tuple(sizes[k] for k in self.order)
+        tail = self.order.index(self.tail_k)
+        return Agreed(self.key, order, (tail, order[tail][0] - TAIL - extra + 1))
+
+    def _refuse(self) -> None:
+        """Deferred: this rank's layout changed and the others disagree; fake the agreed one.
+
+        The others may be steady (they send the agreed buckets without reading): this rank
+        sends buckets of the agreed sizes, zeros with its failure flag set, so that every
+        collective matches, and raises. The others raise at their next window.
+        """
+        deferred, comm = self.sync._deferred, self.comm
+        agreed = deferred.agreed
+        assert agreed is not None
+        self.joined = True
+        deferred.fake(comm, "the boundary all_reduce (of the agreed buckets, zeros)")
+        device = agreed.sizes[agreed.flag_at[0]][2]
+        flag = torch.ones(TAIL, dtype=torch.float64, device=device)
+        deferred.record(self.where, str(self.spec.index), comm, flag, None, "sum", True)
+        mine, theirs = first_diff(self.key, agreed.key)
+        raise GradAccumError(
+            f"{self.where}: this rank's gradients changed from those the ranks last agreed on "
+            f"(it has {mine} where the agreed layout has {theirs}), and the other ranks' "
+            f"fingerprints differ from this rank's. Under defer=True the others do not read the "
+            f"fingerprint before sending, so this rank sent buckets of the agreed sizes, zeros "
+            f"with its failure flag, and raises; the others raise at their next window. Every "
+            f"rank must pass params of the same tree and options in each window."
+        )
+
+    def _decide(self, tail: torch.Tensor, failed: bool) -> torch.Tensor:
+        """Deferred: the window's checks into the device's flag, no host read; the divisor.
+
+        The fingerprint's result (sent, not read) joins the flag; the bucket order of a first
+        window is agreed on every rank, a failed one too, since the others do not know yet.
+        """
+        probe, self.held = self.held, None
+        if probe is not None:
+            self.comm.wait(probe.work, FINGERPRINT)
+        self.joined = True
+        where, spec = self.where, self.spec
+        label = f"{spec.index} of epoch {spec.epoch}" if spec.epoch else str(spec.index)
+        deferred: Deferred = self.sync._deferred
+        total, divisor = deferred.record(
+            where, label, self.comm, tail, probe, spec.reduction, failed
+        )
+        self.totals = (total, [tail[TAIL : TAIL + self.extra].clone()])
+        if self.reorder:
+            self._agree_order()
+        return divisor
