@@ -130,8 +130,21 @@ def test_all_reduce_needs_no_hook_to_move_first_gradients(
     assert calls.count["_on_grad"] == windows * N * wider
     # The flat buckets are zeroed up front: no first gradient is moved in by a hook.
     assert calls.count["_on_first"] == 0
-    # The last backward reports each leaf ready once (overlap), in every window.
-    assert calls.count["_on_ready"] == windows * len(params)
+    # The first window's last backward reports each leaf ready once (overlap), recording the
+    # order the ranks then agree on; later windows check readiness per bucket
+    # (AllReduce.ready_hooks: C-level marks, one Python hook per bucket), not per leaf.
+    assert calls.count["_on_ready"] == len(params)
+    launched: list[int] = []
+    launch = gradaccum.sync._all_reduce.BucketWindow._launch
+    monkeypatch.setattr(
+        gradaccum.sync._all_reduce.BucketWindow,
+        "_launch",
+        lambda window, k: (launched.append(k), launch(window, k))[1],
+    )
+    grads = step(params, batch())
+    assert calls.count["_on_ready"] == len(params)  # none more
+    buckets = sync.plan(params, accum_dtype=torch.float64)
+    assert sorted(launched) == list(range(len(buckets)))  # every bucket, each once
     want = reference(params, torch.float64)
     for k in params:
         tol = 1e-12 if dtypes[k] == torch.float64 else 1e-5
