@@ -78,6 +78,16 @@ class StepStats(NamedTuple):
         return self.items / self.seconds if self.seconds > 0 else math.inf
 
 
+def clipped(step: Any, grads: Any) -> tuple[Any, torch.Tensor]:
+    """The window's gradients, clipped if the step clips, and their global norm (on the device)."""
+    if step.clip is not None:
+        return clip_by_global_norm(grads, step.clip)
+    leaves = _tree.flatten(grads)[0]
+    wide = torch.float64 if torch.float64 in {g.dtype for g in leaves} else torch.float32
+    norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
+    return grads, torch.linalg.vector_norm(torch.stack(norms))
+
+
 def takes_metric(scheduler: Any) -> bool:
     """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``)."""
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -183,13 +193,7 @@ def close(step: Any) -> StepStats:
             f"and the next window goes on. Skip windows with no items, or use "
             f"reduction='sum'."
         )
-    if step.clip is not None:
-        grads, norm = clip_by_global_norm(grads, step.clip)
-    else:
-        leaves = _tree.flatten(grads)[0]
-        wide = torch.float64 if torch.float64 in {g.dtype for g in leaves} else torch.float32
-        norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
-        norm = torch.linalg.vector_norm(torch.stack(norms))
+    grads, norm = clipped(step, grads)
     for k, p, count in zip(names, params, m["used"]):
         if count == 0:
             p.grad = None  # unused in every micro-batch of every rank, as in the plain loop
@@ -272,13 +276,7 @@ def close_deferred(step: Any, grads: Any, raw: Any, reached_all: bool) -> StepSt
     # In float64, as the default boundary's numbers are divided on the host.
     loss_sum, items = flat[at["loss"]][0].double(), items.double()
     micro_batches = flat[at["micro_batches"]][0].round().long()
-    if step.clip is not None:
-        grads, norm = clip_by_global_norm(grads, step.clip)
-    else:
-        leaves = _tree.flatten(grads)[0]
-        wide = torch.float64 if torch.float64 in {g.dtype for g in leaves} else torch.float32
-        norms = [x.to(wide) for x in torch._foreach_norm(leaves)]
-        norm = torch.linalg.vector_norm(torch.stack(norms))
+    grads, norm = clipped(step, grads)
     micro = step._micro
     if reached_all:
         for k, p in zip(micro.names, micro.params):
